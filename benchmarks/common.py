@@ -1,0 +1,176 @@
+"""Shared plumbing for ``python -m benchmarks.NAME [--quick] [--json PATH]``.
+
+Every benchmark prints a plain-text table and can write the same rows as JSON with a
+metadata block (settings, machine, timestamp), so results from different machines and
+runs can be compared without re-reading the code that made them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+
+Row = dict[str, Any]
+
+
+def base_parser(description: str, *, plot: bool = False) -> argparse.ArgumentParser:
+    """The flags every benchmark shares; add benchmark-specific ones to the result."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--quick", action="store_true", help="small settings that finish in about a minute")
+    parser.add_argument("--json", metavar="PATH", help="also write the table and metadata as JSON here")
+    parser.add_argument("--seed", type=int, default=0, help="seed for every random draw (default 0)")
+    if plot:
+        parser.add_argument(
+            "--plot", metavar="PATH",
+            help="write the PNG here (default: the --json path with .png; no plot without either)",
+        )
+    return parser
+
+
+def plot_path(args: argparse.Namespace) -> Optional[Path]:
+    """Where the PNG goes: ``--plot`` if given, else beside ``--json``, else nowhere."""
+    if getattr(args, "plot", None):
+        return Path(args.plot)
+    if args.json:
+        return Path(args.json).with_suffix(".png")
+    return None
+
+
+def _fmt(value: Any, floatfmt: str) -> str:
+    if isinstance(value, bool) or value is None:
+        return "-" if value is None else str(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return format(value, floatfmt)
+    return str(value)
+
+
+def format_table(rows: Sequence[Mapping[str, Any]], columns: Optional[Sequence[str]] = None,
+                 floatfmt: str = ".4g") -> str:
+    """Right-aligned plain-text table; ``columns`` picks and orders keys (default: first row's)."""
+    if not rows:
+        return "(no rows)"
+    columns = list(columns or rows[0].keys())
+    cells = [[_fmt(row.get(c), floatfmt) for c in columns] for row in rows]
+    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(columns, widths)),
+             "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in cells]
+    return "\n".join(lines)
+
+
+def print_table(rows: Sequence[Mapping[str, Any]], columns: Optional[Sequence[str]] = None, *,
+                title: Optional[str] = None, floatfmt: str = ".4g") -> None:
+    if title:
+        print(title)
+    print(format_table(rows, columns, floatfmt))
+    sys.stdout.flush()
+
+
+def machine_info() -> dict[str, Any]:
+    """What the numbers depend on: CPU count, library versions, the accelerator if any."""
+    info: dict[str, Any] = {
+        "hostname": platform.node(),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+    }
+    try:
+        import numpy
+
+        info["numpy"] = numpy.__version__
+    except ImportError:  # pragma: no cover - numpy is a project dependency
+        pass
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        info["torch_threads"] = torch.get_num_threads()
+        info["cuda"] = torch.cuda.is_available()
+        if torch.cuda.is_available():
+            info["cuda_device"] = torch.cuda.get_device_name()
+            info["cuda_version"] = torch.version.cuda
+    except ImportError:  # pragma: no cover - torch is a project dependency
+        pass
+    return info
+
+
+def _jsonable(value: Any) -> Any:
+    """numpy scalars, paths and tuples into plain JSON values."""
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if hasattr(value, "item") and callable(value.item) and getattr(value, "ndim", 1) == 0:
+        return _jsonable(value.item())
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return str(value)
+
+
+def write_json(path: str | os.PathLike, benchmark: str, rows: Sequence[Mapping[str, Any]],
+               settings: Mapping[str, Any], extra: Optional[Mapping[str, Any]] = None) -> Path:
+    """``{"metadata": {benchmark, settings, machine, timestamp, ...extra}, "rows": [...]}``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    metadata = {
+        "benchmark": benchmark,
+        "settings": dict(settings),
+        "machine": machine_info(),
+        "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        **(extra or {}),
+    }
+    path.write_text(json.dumps(_jsonable({"metadata": metadata, "rows": list(rows)}), indent=2) + "\n")
+    return path
+
+
+def settings_of(args: argparse.Namespace, **more: Any) -> dict[str, Any]:
+    """The parsed flags plus derived settings, for the JSON metadata."""
+    return {**vars(args), **more}
+
+
+def time_repeats(fn: Callable[[], Any], *, repeats: int = 5, warmup: int = 1,
+                 sync: Callable[[], None] = lambda: None,
+                 before: Callable[[], Any] = lambda: None) -> list[float]:
+    """Wall seconds of ``fn()`` per repeat, after ``warmup`` untimed calls.
+
+    ``sync`` runs before starting and before stopping each timer (pass a CUDA synchronize
+    so queued kernels are counted); ``before`` runs untimed ahead of every call (e.g. to
+    free the slot the next call loads into).
+    """
+    for _ in range(warmup):
+        before()
+        fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        before()
+        sync()
+        started = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - started)
+    return times
+
+
+def median(values: Iterable[float]) -> float:
+    return statistics.median(list(values))
+
+
+def elapsed_since(started: float) -> str:
+    return f"{time.perf_counter() - started:.1f} s"

@@ -1,0 +1,88 @@
+"""Typed errors for adapter loading and pool operations.
+
+Each names what was refused and why, so the HTTP layer can map it to a status code
+without parsing messages.
+"""
+
+from __future__ import annotations
+
+
+class LoRAFleetError(Exception):
+    """Base of every error this project raises on purpose."""
+
+    http_status = 500
+
+
+# --- adapter loading and validation (4xx: the caller's adapter is wrong) ---
+
+
+class AdapterError(LoRAFleetError):
+    http_status = 400
+
+
+class AdapterNotFoundError(AdapterError):
+    """Unknown adapter name/uid, or a source folder that does not exist."""
+
+    http_status = 404
+
+
+class AdapterFormatError(AdapterError):
+    """Missing files, bad adapter_config.json, or unparseable tensor names."""
+
+
+class PickleWeightsRefusedError(AdapterFormatError):
+    """``adapter_model.bin`` (pickle) can run code on load; only safetensors is accepted."""
+
+
+class CorruptWeightsError(AdapterFormatError):
+    """The safetensors file is truncated or its header is invalid."""
+
+
+class RankTooLargeError(AdapterError):
+    def __init__(self, name: str, rank: int, max_rank: int):
+        super().__init__(
+            f"adapter {name!r} has rank {rank}, above this pool's max_lora_rank {max_rank}"
+        )
+        self.rank = rank
+        self.max_rank = max_rank
+
+
+class UnsupportedTargetModulesError(AdapterError):
+    """The adapter adapts modules the pool has no buffers for."""
+
+
+class ShapeMismatchError(AdapterError):
+    """A LoRA matrix does not fit the base model's layer."""
+
+
+class UnsupportedAdapterFeatureError(AdapterError):
+    """DoRA, biases, modules_to_save, embedding/lm_head LoRA, added tokens."""
+
+
+class SourceNotAllowedError(AdapterError):
+    http_status = 403
+
+
+# --- pool operations (409: valid request, pool state forbids it now) ---
+
+
+class PoolError(LoRAFleetError):
+    http_status = 409
+
+
+class BatchTooLargeError(PoolError):
+    """More distinct adapters in one batch than the pool has slots, pins counted."""
+
+    http_status = 400
+
+
+class NoEvictableSlotError(PoolError):
+    """Every resident adapter is pinned or in the running batch."""
+
+
+class PinRefusedError(PoolError):
+    """Pinning would leave no slot for unpinned adapters (starvation guard)."""
+
+
+class AdapterInUseError(PoolError):
+    """An in-flight batch uses the adapter; it cannot be unloaded now."""

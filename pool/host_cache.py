@@ -1,0 +1,87 @@
+"""Host-memory tier between disk/hub and the pool's slots.
+
+Holds loaded adapters (already in the pool's dtype, in pinned memory when CUDA is
+present) under a byte budget with LRU replacement, so bringing an evicted adapter back
+into a slot is a host-to-device copy instead of a file read and a parse.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .adapter import LoRAAdapterWeights
+
+
+@dataclass
+class HostCacheStats:
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    bytes_used: int = 0
+    entries: int = 0
+
+
+class HostAdapterCache:
+    """LRU by bytes. Thread-safe: replicas load unrelated adapters concurrently."""
+
+    def __init__(self, budget_bytes: int, pin_memory: Optional[bool] = None):
+        if budget_bytes < 0:
+            raise ValueError(f"host cache budget must be >= 0 bytes, got {budget_bytes}")
+        self.budget_bytes = budget_bytes
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self._entries: "OrderedDict[str, LoRAAdapterWeights]" = OrderedDict()
+        self._lock = threading.Lock()
+        self.stats = HostCacheStats()
+
+    def get(self, uid: str) -> Optional[LoRAAdapterWeights]:
+        with self._lock:
+            weights = self._entries.get(uid)
+            if weights is None:
+                self.stats.misses += 1
+                return None
+            self._entries.move_to_end(uid)
+            self.stats.hits += 1
+            return weights
+
+    def put(self, uid: str, weights: LoRAAdapterWeights) -> LoRAAdapterWeights:
+        """Cache ``weights`` (pinned if configured); returns the cached copy.
+
+        An adapter larger than the whole budget is returned uncached.
+        """
+        size = weights.nbytes
+        if size > self.budget_bytes:
+            return weights
+        if self.pin_memory:
+            weights = weights.to(pin_memory=True)
+        with self._lock:
+            old = self._entries.pop(uid, None)
+            if old is not None:
+                self.stats.bytes_used -= old.nbytes
+            while self._entries and self.stats.bytes_used + size > self.budget_bytes:
+                _, evicted = self._entries.popitem(last=False)
+                self.stats.bytes_used -= evicted.nbytes
+                self.stats.evictions += 1
+            self._entries[uid] = weights
+            self.stats.bytes_used += size
+            self.stats.entries = len(self._entries)
+        return weights
+
+    def remove(self, uid: str) -> None:
+        with self._lock:
+            old = self._entries.pop(uid, None)
+            if old is not None:
+                self.stats.bytes_used -= old.nbytes
+                self.stats.entries = len(self._entries)
+
+    def __contains__(self, uid: str) -> bool:
+        with self._lock:
+            return uid in self._entries
+
+    def uids(self) -> list[str]:
+        with self._lock:
+            return list(self._entries)

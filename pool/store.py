@@ -1,0 +1,97 @@
+"""AdapterStore: a replica's registered adapters and where their weights come from.
+
+Registration resolves the source (local folder or hub), reads and validates the whole
+adapter, and puts it in the host tier, so every refusal happens before the pool is
+touched. ``fetch`` is what the pool calls when a slot needs weights: a host-tier hit is
+a memory copy; a miss re-reads the folder.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from .adapter import LoRAAdapterWeights, load_adapter_folder, resolve_adapter_source
+from .errors import AdapterNotFoundError
+from .host_cache import HostAdapterCache
+from .shapes import LoRAModelShape
+
+
+@dataclass(frozen=True)
+class AdapterRecord:
+    uid: str
+    name: str
+    source: str
+    revision: Optional[str]
+    folder: Path
+    rank: int
+    nbytes: int
+
+
+class AdapterStore:
+    def __init__(
+        self,
+        shape: LoRAModelShape,
+        max_lora_rank: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        host_cache_bytes: int = 1 << 30,
+        allowed_roots: Sequence[str] | None = None,
+        hub_orgs: Sequence[str] | None = None,
+    ):
+        self.shape = shape
+        self.max_lora_rank = max_lora_rank
+        self.dtype = dtype
+        self.host_cache = HostAdapterCache(host_cache_bytes)
+        self.allowed_roots = allowed_roots
+        self.hub_orgs = hub_orgs
+        self._records: dict[str, AdapterRecord] = {}
+        self._lock = threading.Lock()
+
+    def register(self, uid: str, source: str, *, name: Optional[str] = None,
+                 revision: Optional[str] = None) -> AdapterRecord:
+        """Resolve, read and validate the adapter; keep it in the host tier.
+
+        Runs without the store's lock held so loads of unrelated adapters overlap.
+        """
+        name = name or uid
+        folder = resolve_adapter_source(source, revision, allowed_roots=self.allowed_roots, hub_orgs=self.hub_orgs)
+        weights = load_adapter_folder(folder, self.shape, self.max_lora_rank, name=name, dtype=self.dtype)
+        record = AdapterRecord(uid, name, source, revision, folder, weights.rank, weights.nbytes)
+        self.host_cache.put(uid, weights)
+        with self._lock:
+            self._records[uid] = record
+        return record
+
+    def unregister(self, uid: str) -> None:
+        with self._lock:
+            self._records.pop(uid, None)
+        self.host_cache.remove(uid)
+
+    def record(self, uid: str) -> AdapterRecord:
+        with self._lock:
+            try:
+                return self._records[uid]
+            except KeyError:
+                raise AdapterNotFoundError(f"adapter {uid!r} is not registered on this replica") from None
+
+    def __contains__(self, uid: str) -> bool:
+        with self._lock:
+            return uid in self._records
+
+    def uids(self) -> list[str]:
+        with self._lock:
+            return list(self._records)
+
+    def fetch(self, uid: str) -> LoRAAdapterWeights:
+        """Weights for a slot load: from the host tier, else re-read from the folder."""
+        cached = self.host_cache.get(uid)
+        if cached is not None:
+            return cached
+        record = self.record(uid)
+        weights = load_adapter_folder(record.folder, self.shape, self.max_lora_rank, name=record.name, dtype=self.dtype)
+        return self.host_cache.put(uid, weights)
