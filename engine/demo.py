@@ -35,7 +35,11 @@ ASSETS_VERSION = 1
 
 PAD_TOKEN, BOS_TOKEN, EOS_TOKEN = "<pad>", "<s>", "</s>"
 ROLE_TOKENS = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assistant|>"}
-SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, *ROLE_TOKENS.values())
+# Reserved, never emitted by the template. transformers 5 loads every qwen2 folder with
+# Qwen2Tokenizer, whose unk token this is; were it missing, the tokenizer would append it
+# with an id past the model's vocabulary.
+ENDOFTEXT_TOKEN = "<|endoftext|>"
+SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, *ROLE_TOKENS.values(), ENDOFTEXT_TOKEN)
 
 # Turns are "<|role|>\n{content}</s>\n"; the generation prompt opens an assistant turn, so
 # a model that emits </s> ends its own turn. Unknown roles are refused, not guessed.
@@ -92,9 +96,10 @@ def _printable_token_ids() -> list[int]:
 def build_tokenizer(model_max_length: int = 512):
     """A byte-level tokenizer: special tokens, then one token per byte, no merges.
 
-    Ids: ``<pad>`` 0, ``<s>`` 1, ``</s>`` 2, role markers 3-5, byte ``b`` is ``6 + b``. Every
-    string round-trips exactly, and nothing is downloaded or trained. Encoding prepends
-    ``<s>`` the way Llama tokenizers do.
+    Ids: ``<pad>`` 0, ``<s>`` 1, ``</s>`` 2, role markers 3-5, ``<|endoftext|>`` 6, then
+    byte ``b`` is ``7 + b`` (vocabulary 263). Nothing is downloaded or trained, every
+    string round-trips (Unicode up to NFC where transformers swaps in Qwen2Tokenizer), and
+    encoding prepends ``<s>`` the way Llama tokenizers do.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
@@ -221,6 +226,7 @@ def write_tiny_model(
     ``AutoTokenizer.from_pretrained`` offline. Same arguments give byte-identical files.
     """
     from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers.utils import logging as hf_logging
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -246,7 +252,13 @@ def write_tiny_model(
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    model.save_pretrained(path)
+    progress_bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # one tiny shard; a bar per replica start is noise
+    try:
+        model.save_pretrained(path)
+    finally:
+        if progress_bars:
+            hf_logging.enable_progress_bar()
     tokenizer.save_pretrained(path)
     _portable_tokenizer_class(path)
     missing = [f for f in MODEL_FILES if not (path / f).is_file()]

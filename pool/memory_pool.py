@@ -88,6 +88,7 @@ class LoRAMemoryPool:
         }
         self.slot_ranks: list[int] = [0] * S
         self.slot_scalings = torch.zeros(S, device=self.device, dtype=torch.float32)
+        self.slot_scale_values: list[float] = [0.0] * S  # host copy: the engine reads it without a device sync
         self.uid_to_slot: dict[Uid, int] = {}
         self.slot_to_uid: list[object] = [EMPTY] * S
         self.pinned: set[str] = set()
@@ -183,6 +184,11 @@ class LoRAMemoryPool:
             self.counters.misses += len(entering) - hits
             self.active = frozenset(cur)
             return {u: self.uid_to_slot[u] for u in order}
+
+    def retain_batch(self, uids: Iterable[Uid]) -> None:
+        """The running batch shrank to ``uids`` (finished requests left); the rest become evictable."""
+        with self._lock:
+            self.active = self.active & frozenset(uids)
 
     def release_batch(self) -> None:
         """Nothing is running: every unpinned adapter becomes evictable again."""
@@ -287,6 +293,7 @@ class LoRAMemoryPool:
                 self.bt_buffers[m][:, slot, :old].zero_()
         self.slot_ranks[slot] = 0
         self.slot_scalings[slot] = 0.0
+        self.slot_scale_values[slot] = 0.0
         self.uid_to_slot[None] = slot
         self.slot_to_uid[slot] = None
 
@@ -307,6 +314,7 @@ class LoRAMemoryPool:
                 bt_buf[:, slot, : max(r, old)].zero_()
         self.slot_ranks[slot] = r
         self.slot_scalings[slot] = weights.scaling
+        self.slot_scale_values[slot] = weights.scaling
         self.uid_to_slot[uid] = slot
         self.slot_to_uid[slot] = uid
         self.counters.loads += 1

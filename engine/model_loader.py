@@ -1,0 +1,54 @@
+"""Base model and tokenizer from ``demo``, a local folder, or a hub id (offline cache honoured)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from pool.device import default_device, parse_dtype
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
+
+
+class BaseModelError(ValueError):
+    pass
+
+
+def resolve_model_path(base_model: str, revision: Optional[str] = None) -> Path:
+    """``demo`` -> generated demo assets; an existing folder; else a hub repo id via the HF cache."""
+    if base_model == "demo":
+        from .demo import ensure_demo_assets
+
+        return ensure_demo_assets().model_dir
+    local = Path(base_model).expanduser()
+    if local.is_dir():
+        return local.resolve()
+    if not re.fullmatch(r"[\w.-]+/[\w.-]+", base_model):
+        raise BaseModelError(f"base_model {base_model!r} is not 'demo', an existing folder, or a hub repo id")
+    from huggingface_hub import snapshot_download
+
+    # safetensors only: pickle checkpoints are never fetched, so never loaded
+    return Path(snapshot_download(repo_id=base_model, revision=revision, allow_patterns=HUB_PATTERNS))
+
+
+def load_base_model(base_model: str, *, dtype: str | torch.dtype = "float32", device: Optional[str] = None,
+                    revision: Optional[str] = None):
+    """(model, tokenizer, path), the model in eval mode on ``device`` (cuda when available)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model_path(base_model, revision)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=False)
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise BaseModelError(
+            f"base model type {config.model_type!r} is not served; supported: {list(SUPPORTED_MODEL_TYPES)}"
+        )
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=parse_dtype(dtype), trust_remote_code=False, use_safetensors=True
+    )
+    model.to(default_device(device)).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+    return model, tokenizer, path

@@ -1,0 +1,150 @@
+"""The engine end to end on the demo model: scheduling, streaming, stops, bad input, unload."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.engine import LoRAEngine
+from engine.errors import InvalidRequestError
+from engine.request import GenerateRequest
+from pool.errors import AdapterNotFoundError
+
+
+@pytest.fixture(scope="module")
+def engine(demo_assets):
+    eng = LoRAEngine(EngineConfig(base_model=str(demo_assets.model_dir), max_loras_per_batch=3, max_lora_rank=16,
+                                  max_batch_size=8, max_model_len=256, max_tokens_limit=64))
+    for name, path in demo_assets.adapters.items():
+        eng.register_adapter(name, str(path))
+    yield eng
+    eng.shutdown()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_concurrent_requests_over_more_adapters_than_slots_match_solo_runs(engine, demo_assets):
+    names = [None, *demo_assets.adapters]
+    requests = [GenerateRequest(adapter=names[i % len(names)], prompt=f"request {i}", max_tokens=6 + i % 5)
+                for i in range(28)]
+    sizes = []
+    original = engine.pool.prepare_lora_batch
+
+    def recording_prepare(uids):
+        uids = set(uids)
+        sizes.append(len(uids))
+        return original(uids)
+
+    engine.pool.prepare_lora_batch = recording_prepare
+    try:
+        async def all_at_once():
+            return await asyncio.gather(*(engine.generate(r) for r in requests))
+        batched = run(all_at_once())
+    finally:
+        del engine.pool.prepare_lora_batch
+    assert max(sizes) <= engine.pool.slots
+    assert max(sizes) > 1  # requests really shared batches
+    for req, result in zip(requests, batched):
+        solo = engine.generate_blocking(GenerateRequest(adapter=req.adapter, prompt=req.prompt,
+                                                        max_tokens=req.max_tokens))
+        assert result.token_ids == solo.token_ids
+        assert result.finish_reason in ("length", "stop")
+        assert result.usage["completion_tokens"] == len(result.token_ids)
+
+
+def test_streaming_deltas_concatenate_to_the_final_text(engine):
+    async def collect():
+        deltas = []
+        async for d in engine.generate_stream(GenerateRequest(adapter="demo-2", prompt="stream me", max_tokens=10)):
+            deltas.append(d)
+        return deltas
+
+    deltas = run(collect())
+    full = engine.generate_blocking(GenerateRequest(adapter="demo-2", prompt="stream me", max_tokens=10))
+    assert "".join(d.text for d in deltas) == full.text
+    assert [d.token_id for d in deltas] == full.token_ids
+    assert deltas[-1].finish_reason == full.finish_reason and all(d.finish_reason is None for d in deltas[:-1])
+
+
+def test_stop_string_ends_generation_and_is_not_returned(engine):
+    full = engine.generate_blocking(GenerateRequest(adapter="demo-0", prompt="stop test", max_tokens=20))
+    assert len(full.text) >= 4
+    stop = full.text[2:4]
+    cut = engine.generate_blocking(GenerateRequest(adapter="demo-0", prompt="stop test", max_tokens=20, stop=[stop]))
+    assert cut.finish_reason == "stop"
+    assert cut.text == full.text[: full.text.find(stop)]
+    assert stop not in cut.text
+
+
+def test_sampling_is_reproducible_with_a_seed(engine):
+    req = dict(adapter="demo-1", prompt="sample", max_tokens=12, temperature=1.0, top_p=0.9)
+    a = engine.generate_blocking(GenerateRequest(seed=7, **req))
+    b = engine.generate_blocking(GenerateRequest(seed=7, **req))
+    c = engine.generate_blocking(GenerateRequest(seed=8, **req))
+    assert a.token_ids == b.token_ids
+    assert a.token_ids != c.token_ids
+
+
+def test_chat_messages_use_the_template(engine):
+    msgs = [{"role": "user", "content": "Hi"}]
+    r = engine.generate_blocking(GenerateRequest(messages=msgs, max_tokens=4))
+    ids = engine.tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    assert r.prompt_tokens == len(ids)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(prompt=""), "prompt"),
+    (dict(prompt="x", max_tokens=0), "max_tokens"),
+    (dict(prompt="x", max_tokens=65), "max_tokens"),
+    (dict(prompt="x " * 120, max_tokens=64), "max_tokens"),  # beyond the 256-token window
+    (dict(prompt="x", temperature=-0.1), "temperature"),
+    (dict(prompt="x", top_p=0.0), "top_p"),
+    (dict(prompt="x", top_p=1.5), "top_p"),
+    (dict(messages=[]), "messages"),
+    (dict(messages=[{"role": "robot", "content": "x"}]), "messages"),
+    (dict(token_ids=[10 ** 9]), "prompt"),
+])
+def test_bad_input_is_refused_before_any_work(engine, kwargs, field):
+    steps, tokens = engine.steps, engine.tokens_generated
+    with pytest.raises(InvalidRequestError) as err:
+        engine.generate_blocking(GenerateRequest(**kwargs))
+    assert err.value.field == field and field in str(err.value)
+    assert (engine.steps, engine.tokens_generated) == (steps, tokens)
+
+
+def test_unknown_adapter_is_named(engine):
+    with pytest.raises(AdapterNotFoundError, match="no-such-adapter"):
+        engine.generate_blocking(GenerateRequest(adapter="no-such-adapter", prompt="x"))
+
+
+def test_unregister_refuses_new_requests_at_once_and_drains_in_flight(engine, demo_assets):
+    engine.register_adapter("temp", str(demo_assets.adapters["demo-3"]))
+    results = []
+    worker = threading.Thread(target=lambda: results.append(
+        engine.generate_blocking(GenerateRequest(adapter="temp", prompt="long", max_tokens=60))))
+    worker.start()
+    while engine.inflight[engine.adapters["temp"]] == 0:
+        time.sleep(0.001)
+    uid = engine.unregister_adapter("temp", timeout_s=30)
+    worker.join()
+    assert results[0].finish_reason in ("length", "stop")  # it finished, it was not cancelled
+    assert not engine.pool.is_resident(uid) and uid not in engine.store
+    with pytest.raises(AdapterNotFoundError):
+        engine.generate_blocking(GenerateRequest(adapter="temp", prompt="x"))
+
+
+def test_pin_survives_a_flood_of_other_adapters(engine, demo_assets):
+    engine.pin_adapter("demo-5")
+    try:
+        for name in list(demo_assets.adapters) * 2:
+            engine.generate_blocking(GenerateRequest(adapter=name, prompt="flood", max_tokens=2))
+            assert engine.pool.is_resident(engine.adapters["demo-5"])
+    finally:
+        engine.unpin_adapter("demo-5")
