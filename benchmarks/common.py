@@ -88,6 +88,8 @@ def machine_info() -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "python": platform.python_version(),
     }
+    if hasattr(os, "getloadavg"):  # other work on the machine skews timings; record it
+        info["loadavg_1m"] = round(os.getloadavg()[0], 2)
     try:
         import numpy
 
@@ -165,6 +167,29 @@ def time_repeats(fn: Callable[[], Any], *, repeats: int = 5, warmup: int = 1,
         fn()
         sync()
         times.append(time.perf_counter() - started)
+    return times
+
+
+def time_alternating(fns: Mapping[str, Callable[[], Any]], *, repeats: int = 5, warmup: int = 1,
+                     sync: Callable[[], None] = lambda: None,
+                     before: Optional[Mapping[str, Callable[[], Any]]] = None) -> dict[str, list[float]]:
+    """Like ``time_repeats`` for several functions, taking turns each repeat.
+
+    Taking turns exposes every function to the same drift (other processes, clock
+    changes, thermal state), so ratios between them are fairer than from separate loops.
+    """
+    before = before or {}
+    noop: Callable[[], Any] = lambda: None
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for i in range(warmup + repeats):
+        for name, fn in fns.items():
+            before.get(name, noop)()
+            sync()
+            started = time.perf_counter()
+            fn()
+            sync()
+            if i >= warmup:
+                times[name].append(time.perf_counter() - started)
     return times
 
 

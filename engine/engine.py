@@ -222,8 +222,9 @@ class LoRAEngine:
             self._lock.notify_all()
         return seq
 
-    async def generate_stream(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
-        """Token deltas as they are produced; the last one carries the finish reason."""
+    async def generate_stream(self, request: GenerateRequest,
+                              with_result: bool = False) -> AsyncIterator[TokenDelta | GenerateResult]:
+        """Token deltas as they are produced (the last carries the finish reason), then the result if asked."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         self.submit(request, lambda item: loop.call_soon_threadsafe(queue.put_nowait, item))
@@ -232,6 +233,8 @@ class LoRAEngine:
             if isinstance(item, BaseException):
                 raise item
             if isinstance(item, GenerateResult):
+                if with_result:
+                    yield item
                 return
             yield item
 

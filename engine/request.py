@@ -53,6 +53,7 @@ class GenerateResult:
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
+    replica_id: Optional[str] = None  # set by the worker that served it
 
     @property
     def usage(self) -> dict:

@@ -7,10 +7,24 @@ without parsing messages.
 from __future__ import annotations
 
 
+def _rebuild_error(cls, message, state):
+    error = Exception.__new__(cls)
+    Exception.__init__(error, message)
+    error.__dict__.update(state)
+    return error
+
+
 class LoRAFleetError(Exception):
-    """Base of every error this project raises on purpose."""
+    """Base of every error this project raises on purpose.
+
+    Errors cross process boundaries (Ray Serve replicas to handle callers), so pickling
+    keeps the message and attributes whatever the subclass's ``__init__`` takes.
+    """
 
     http_status = 500
+
+    def __reduce__(self):
+        return (_rebuild_error, (type(self), str(self), dict(self.__dict__)))
 
 
 # --- adapter loading and validation (4xx: the caller's adapter is wrong) ---

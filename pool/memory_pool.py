@@ -171,9 +171,13 @@ class LoRAMemoryPool:
                     fetched[uid] = (self._checked_weights(uid), time.perf_counter() - started)
             entering = [u for u in order if u is not None and u not in self.active]
             for uid in order:
-                self.eviction_policy.mark_used(uid)
+                if uid not in missing:
+                    self.eviction_policy.mark_used(uid)
             for uid in missing:
+                # claim first, then mark: a newcomer must not sit in the policy's queue while its
+                # own victim is chosen (SIEVE's hand would otherwise land on it)
                 slot = self._claim_slot(protected=cur)
+                self.eviction_policy.mark_used(uid)
                 if uid is None:
                     self._write_base(slot)
                 else:

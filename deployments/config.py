@@ -1,0 +1,110 @@
+"""Application args (serve_config.yaml ``applications[].args``), validated by one model.
+
+Unknown keys are refused, so a misspelt knob fails at deploy time instead of being
+silently ignored. Replica counts, GPUs per replica and the router class stay in the
+``deployments:`` section, where Ray Serve users look for them.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from engine.config import EngineConfig
+from pool.eviction import EVICTION_POLICIES
+from pool.shapes import ALL_TARGET_MODULES
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+
+
+def validate_adapter_name(name: str) -> str:
+    """Printable, no path separators or spaces, at most 128 characters."""
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name):
+        raise ValueError(
+            f"adapter name {name!r} is invalid: use 1-128 characters from letters, digits, '.', '_', ':', '-', "
+            f"starting with a letter or digit (no '/', spaces or control characters)")
+    return name
+
+
+class AdapterSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    source: str  # a local folder, a hub repo id, or "demo:<name>" for a generated demo adapter
+    revision: Optional[str] = None
+    pinned: bool = False
+    replicas: Optional[int] = Field(default=None, ge=1)  # pin replication; default: pin_replicas
+
+    _name = field_validator("name")(classmethod(lambda cls, v: validate_adapter_name(v)))
+
+
+class AppArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    base_model: str = "demo"
+    revision: Optional[str] = None
+    dtype: str = "float32"
+    device: Optional[str] = None
+    max_loras_per_batch: int = Field(default=4, ge=1)
+    max_lora_rank: int = Field(default=16, ge=1)
+    target_modules: list[str] = Field(default_factory=lambda: list(ALL_TARGET_MODULES))
+    eviction_policy: str = "lru"
+    host_cache_bytes: int = Field(default=1 << 30, ge=0)
+    adapters: Optional[list[AdapterSpec]] = None  # None with base_model demo: the demo adapters
+    max_batch_size: int = Field(default=8, ge=1)
+    max_model_len: Optional[int] = Field(default=None, ge=16)
+    max_tokens_limit: int = Field(default=512, ge=1)
+    load_bound_epsilon: float = Field(default=0.25, ge=0.0)
+    pin_replicas: int = Field(default=1, ge=1)
+    admin_token_env: str = "LORAFLEET_ADMIN_TOKEN"
+    adapter_roots: Optional[list[str]] = None
+    hub_orgs: Optional[list[str]] = None
+    max_queued_requests: int = Field(default=256, ge=1)
+    request_timeout_s: float = Field(default=120.0, gt=0)
+    max_body_bytes: int = Field(default=1 << 20, ge=1024)
+    max_prompt_chars: int = Field(default=32_000, ge=1)
+    drain_timeout_s: float = Field(default=30.0, ge=0)
+
+    @field_validator("eviction_policy")
+    @classmethod
+    def _policy(cls, v: str) -> str:
+        if v not in EVICTION_POLICIES:
+            raise ValueError(f"unknown eviction policy {v!r}; choose one of {sorted(EVICTION_POLICIES)}")
+        return v
+
+    def engine_config(self, replica_id: str) -> EngineConfig:
+        return EngineConfig(
+            base_model=self.base_model, revision=self.revision, dtype=self.dtype, device=self.device,
+            max_loras_per_batch=self.max_loras_per_batch, max_lora_rank=self.max_lora_rank,
+            target_modules=tuple(self.target_modules), eviction_policy=self.eviction_policy,
+            host_cache_bytes=self.host_cache_bytes, max_batch_size=self.max_batch_size,
+            max_model_len=self.max_model_len, max_tokens_limit=self.max_tokens_limit,
+            adapter_roots=self.adapter_roots, hub_orgs=self.hub_orgs, replica_id=replica_id,
+        )
+
+    def startup_adapters(self) -> list[AdapterSpec]:
+        if self.adapters is not None:
+            return list(self.adapters)
+        if self.base_model == "demo":
+            return [AdapterSpec(name=f"demo-{i}", source=f"demo:demo-{i}") for i in range(6)]
+        return []
+
+
+def resolve_demo_source(source: str) -> str:
+    """``demo:<name>`` -> the generated demo adapter's folder; other sources unchanged."""
+    if not source.startswith("demo:"):
+        return source
+    from engine.demo import ensure_demo_assets
+
+    assets = ensure_demo_assets()
+    name = source[len("demo:"):]
+    if name not in assets.adapters:
+        index = int(name.rsplit("-", 1)[1]) if re.fullmatch(r"demo-\d{1,3}", name) else -1
+        if index < 0:
+            from pool.errors import AdapterNotFoundError
+
+            raise AdapterNotFoundError(f"demo adapter {name!r} does not exist (demo-0, demo-1, ...)")
+        assets = ensure_demo_assets(num_adapters=index + 1)
+    return str(assets.adapters[name])

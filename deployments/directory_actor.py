@@ -1,0 +1,170 @@
+"""The AdapterDirectory as a Ray Serve deployment (one replica per application).
+
+Serve owns its life: it is created with the application, restarted if it dies, and
+removed by ``serve shutdown``. Its view is soft state that the workers rebuild within a
+heartbeat; the adapter registry is not, so every change is written to Ray's GCS
+key-value store and read back when the directory starts again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from typing import Optional
+
+from ray import serve
+
+from pool.errors import AdapterNotFoundError
+from routing.directory import AdapterDirectory
+
+from .registry import RegistryEntry
+
+log = logging.getLogger("ray.serve")
+KV_NAMESPACE = "lorafleet"
+
+
+class _Versioned:
+    """A version counter plus an event to wake long polls when it moves."""
+
+    def __init__(self) -> None:
+        self.version = 0
+        self._changed = asyncio.Event()
+
+    def bump(self) -> None:
+        self.version += 1
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def wait_past(self, version: int, timeout_s: float, current) -> None:
+        if current() > version or timeout_s <= 0:
+            return
+        event = self._changed
+        try:
+            await asyncio.wait_for(event.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            pass
+
+
+@serve.deployment(name="AdapterDirectory", num_replicas=1, max_ongoing_requests=1000,
+                  ray_actor_options={"num_cpus": 0},
+                  logging_config={"enable_access_log": False})  # reports arrive every few ms
+class AdapterDirectoryActor:
+    def __init__(self, replica_timeout_s: float = 10.0):
+        self.directory = AdapterDirectory(replica_timeout_s=replica_timeout_s)
+        self.epoch = uuid.uuid4().hex  # routers start over when the directory restarts
+        self._view_changes = _Versioned()
+        self._registry_changes = _Versioned()
+        self._app = serve.get_replica_context().app_name
+        self.registry: dict[str, RegistryEntry] = self._load_registry()
+        self._registry_changes.version = 1
+        self._expiry = asyncio.get_event_loop().create_task(self._expire_loop())
+
+    # ------------------------------------------------------------------ registry (persisted)
+
+    def _kv_key(self) -> bytes:
+        return f"registry:{self._app}".encode()
+
+    def _load_registry(self) -> dict[str, RegistryEntry]:
+        from ray.experimental.internal_kv import _internal_kv_get
+
+        raw = _internal_kv_get(self._kv_key(), namespace=KV_NAMESPACE)
+        if not raw:
+            return {}
+        entries = json.loads(raw)
+        log.info("lorafleet directory: restored %d registry entries from GCS", len(entries))
+        return {e["name"]: RegistryEntry.from_dict(e) for e in entries}
+
+    def _save_registry(self) -> None:
+        from ray.experimental.internal_kv import _internal_kv_put
+
+        data = json.dumps([e.to_dict() for e in self.registry.values()]).encode()
+        _internal_kv_put(self._kv_key(), data, overwrite=True, namespace=KV_NAMESPACE)
+        self._registry_changes.bump()
+
+    def put_adapter(self, entry: dict, *, if_absent: bool = True) -> dict:
+        """Add an entry; with ``if_absent`` an existing name is returned unchanged (first one wins)."""
+        new = RegistryEntry.from_dict(entry)
+        current = self.registry.get(new.name)
+        if current is not None and if_absent:
+            return current.to_dict()
+        self.registry[new.name] = new
+        self._save_registry()
+        return new.to_dict()
+
+    def remove_adapter(self, name: str) -> dict:
+        entry = self.registry.pop(name, None)
+        if entry is None:
+            raise AdapterNotFoundError(f"adapter {name!r} is not registered")
+        self._save_registry()
+        return entry.to_dict()
+
+    def set_pinned(self, name: str, pinned: bool, replicas: Optional[int] = None) -> dict:
+        entry = self.registry.get(name)
+        if entry is None:
+            raise AdapterNotFoundError(f"adapter {name!r} is not registered")
+        entry.pinned = pinned
+        if replicas is not None:
+            entry.replicas = replicas
+        self._save_registry()
+        return entry.to_dict()
+
+    async def get_registry(self, since_version: int = -1, timeout_s: float = 0.0) -> dict:
+        """Long poll: returns at once if the registry moved past ``since_version``."""
+        await self._registry_changes.wait_past(since_version, timeout_s, lambda: self._registry_changes.version)
+        return {
+            "version": self._registry_changes.version,
+            "entries": [e.to_dict() for e in self.registry.values()],
+            "replicas": sorted(self.directory.replicas),
+        }
+
+    # ------------------------------------------------------------------ view (soft state)
+
+    def report(self, replica_id: str, events: list[dict], heartbeat: dict, snapshot: Optional[dict] = None) -> dict:
+        """A worker's batched events, its heartbeat and (when asked for) a full snapshot."""
+        before = self.directory.version
+        new_replica = replica_id not in self.directory.replicas
+        if snapshot is not None:
+            self.directory.apply_snapshot(snapshot, **heartbeat)
+        ok = self.directory.apply_events(replica_id, events)
+        self.directory.heartbeat(replica_id, **heartbeat)
+        if self.directory.version != before:
+            self._view_changes.bump()
+        if new_replica:
+            self._registry_changes.bump()  # pin placement depends on the replica set
+        return {"resync": not ok}
+
+    async def get_changes(self, since_version: int = -1, timeout_s: float = 0.0) -> dict:
+        """Long poll for routers: replica states changed after ``since_version``."""
+        await self._view_changes.wait_past(since_version, timeout_s, lambda: self.directory.version)
+        version, changes = self.directory.changes_since(since_version)
+        if changes is None:
+            return {"epoch": self.epoch, "version": version, "full": self.directory.full_view()}
+        return {"epoch": self.epoch, "version": version, "changes": changes}
+
+    def view(self) -> dict:
+        return {"version": self.directory.version, "replicas": self.directory.full_view(),
+                "events_applied": self.directory.events_applied}
+
+    def adapter_counts(self) -> dict:
+        """uid -> {"load": n, "evict": n, ...} over the whole fleet since the directory started."""
+        return {uid: dict(c) for uid, c in self.directory.adapter_counts.items()}
+
+    def forget_replica(self, replica_id: str) -> bool:
+        forgotten = self.directory.forget_replica(replica_id)
+        if forgotten:
+            self._view_changes.bump()
+            self._registry_changes.bump()
+        return forgotten
+
+    async def _expire_loop(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            if self.directory.expire():
+                self._view_changes.bump()
+                self._registry_changes.bump()
+
+    def check_health(self) -> None:
+        if self._expiry.done():
+            raise RuntimeError("the directory's expiry loop stopped")

@@ -1,0 +1,77 @@
+"""Fleet adapter registry entries: name -> the uid minted at registration, source, pin policy."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+
+def mint_uid(name: str) -> str:
+    """A fresh uid per registration, so late events about an old one are never mistaken for it."""
+    return f"{name}@{uuid.uuid4().hex[:8]}"
+
+
+def name_of(uid: str) -> str:
+    return uid.rsplit("@", 1)[0]
+
+
+@dataclass
+class RegistryEntry:
+    name: str
+    uid: str
+    source: str
+    revision: Optional[str] = None
+    pinned: bool = False
+    replicas: int = 1  # how many replicas pin it (first in its rendezvous order)
+    rank: Optional[int] = None
+    created: float = field(default_factory=time.time)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "RegistryEntry":
+        return cls(**d)
+
+
+class RegistryFollower:
+    """Keeps a local copy of the directory's registry through its long poll.
+
+    Used by workers (to load, retire and pin adapters) and by the ingress (for 404s and
+    ``/v1/models`` without a round trip).
+    """
+
+    def __init__(self, directory, on_change=None, poll_timeout_s: float = 5.0):
+        self.directory = directory
+        self.on_change = on_change  # async callable(old entries, new entries)
+        self.poll_timeout_s = poll_timeout_s
+        self.entries: dict[str, RegistryEntry] = {}
+        self.replicas: list[str] = []
+        self.version = -1
+
+    async def apply(self, reply: dict) -> None:
+        old = self.entries
+        self.entries = {e["name"]: RegistryEntry.from_dict(e) for e in reply["entries"]}
+        self.replicas = list(reply["replicas"])
+        self.version = reply["version"]
+        if self.on_change is not None:
+            await self.on_change(old, self.entries)
+
+    async def refresh(self) -> None:
+        await self.apply(await self.directory.get_registry.remote(-1, 0.0))
+
+    async def run(self) -> None:
+        import asyncio
+        import logging
+
+        while True:
+            try:
+                await self.apply(await self.directory.get_registry.remote(self.version, self.poll_timeout_s))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the directory restarts: poll from scratch once it is back
+                logging.getLogger("ray.serve").warning("lorafleet: registry poll failed (%r)", exc)
+                self.version = -1
+                await asyncio.sleep(0.5)

@@ -1,0 +1,229 @@
+"""LoRAWorker: one engine, one LoRAMemoryPool and one host tier per Serve replica.
+
+Requests carry the adapter name inside the request object (not Serve's
+``multiplexed_model_id``, by which ``@serve.batch`` would split mixed batches). Adapters
+are read from disk on first use in a thread, with one lock per adapter uid, so loads of
+unrelated adapters overlap and never stall the engine (Ray issue 65346). Pool events go
+to the directory in batches from a background task; generation never waits on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from typing import AsyncIterator, Optional
+
+import torch
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from engine.engine import LoRAEngine
+from engine.request import GenerateRequest, GenerateResult, TokenDelta
+from pool.errors import AdapterNotFoundError, LoRAFleetError
+from routing.hashing import rendezvous_order
+
+from .config import AppArgs, resolve_demo_source
+from .event_buffer import EventBuffer
+from .registry import RegistryEntry, RegistryFollower
+
+log = logging.getLogger("ray.serve")
+FLUSH_INTERVAL_S = 0.02
+HEARTBEAT_INTERVAL_S = 1.0
+REGISTRY_POLL_TIMEOUT_S = 5.0
+
+
+def _torch_threads() -> int:
+    """As many threads as whole CPUs Ray gave this replica (at least one)."""
+    import ray
+
+    cpus = ray.get_runtime_context().get_assigned_resources().get("CPU")
+    return max(1, int(cpus)) if cpus else (os.cpu_count() or 1)
+
+
+@serve.deployment(
+    name="LoRAWorker",
+    max_ongoing_requests=8,
+    request_router_config=RequestRouterConfig(
+        request_router_class="routing.ray_router:AdapterAffinityRouter",
+        request_routing_stats_period_s=1.0,
+    ),
+    health_check_period_s=5.0,
+)
+class LoRAWorker:
+    async def __init__(self, args: dict, directory=None):
+        self.args = AppArgs(**args)
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        if not torch.cuda.is_available():
+            torch.set_num_threads(_torch_threads())
+        self.engine = await asyncio.to_thread(LoRAEngine, self.args.engine_config(self.replica_id))
+        self.events = EventBuffer()
+        self.engine.pool.subscribe(self.events.append)
+        self.directory = directory
+        self.registry = RegistryFollower(directory, self._registry_changed, REGISTRY_POLL_TIMEOUT_S)
+        self.loading: set[str] = set()
+        self._load_locks: dict[str, asyncio.Lock] = {}
+        self._retiring: set[str] = set()
+        self._tasks: list[asyncio.Task] = []
+        if directory is not None:
+            loop = asyncio.get_running_loop()
+            self._tasks = [loop.create_task(self._report_loop()), loop.create_task(self.registry.run())]
+
+    # ------------------------------------------------------------------ requests
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        await self._ensure_adapter(request.adapter)
+        result = await self.engine.generate(request)
+        result.replica_id = self.replica_id
+        return result
+
+    async def generate_stream(self, request: GenerateRequest) -> AsyncIterator[TokenDelta | GenerateResult]:
+        """Deltas as produced, then the ``GenerateResult`` (usage, finish reason)."""
+        await self._ensure_adapter(request.adapter)
+        async for item in self.engine.generate_stream(request, with_result=True):
+            if isinstance(item, GenerateResult):
+                item.replica_id = self.replica_id
+            yield item
+
+    async def _ensure_adapter(self, name: Optional[str]) -> None:
+        if name is None:
+            return
+        entry = self.registry.entries.get(name)
+        if entry is None and self.directory is not None:
+            await self.registry.refresh()  # registered a moment ago: our long poll may not have seen it
+            entry = self.registry.entries.get(name)
+        if entry is None:
+            raise AdapterNotFoundError(f"adapter {name!r} is not registered")
+        if self.engine.adapters.get(name) == entry.uid:
+            return
+        lock = self._load_locks.setdefault(entry.uid, asyncio.Lock())
+        async with lock:
+            if self.engine.adapters.get(name) != entry.uid:
+                await self._load(entry)
+
+    async def _load(self, entry: RegistryEntry, pinned: bool = False) -> None:
+        self.loading.add(entry.uid)
+        try:
+            source = await asyncio.to_thread(resolve_demo_source, entry.source)
+            await asyncio.to_thread(self.engine.register_adapter, entry.name, source, revision=entry.revision,
+                                    uid=entry.uid, pinned=pinned)
+        finally:
+            self.loading.discard(entry.uid)
+
+    # ------------------------------------------------------------------ admin
+
+    async def validate_adapter(self, name: str, source: str, revision: Optional[str], uid: str) -> dict:
+        """Read and validate an adapter on this replica (registration's first step); returns its facts."""
+        path = await asyncio.to_thread(resolve_demo_source, source)
+        record = await asyncio.to_thread(self.engine.store.register, uid, path, name=name, revision=revision)
+        self.engine.store.unregister(uid)
+        return {"rank": record.rank, "bytes": record.nbytes, "folder": str(record.folder)}
+
+    def pool_state(self) -> dict:
+        """This replica's pool, exactly (tests compare the directory's view with it)."""
+        snap = self.engine.pool.snapshot().to_dict()
+        snap["host_cached"] = self.engine.store.host_cache.uids()
+        return snap
+
+    # ------------------------------------------------------------------ Serve hooks
+
+    def record_routing_stats(self) -> dict:
+        """What routers reconcile their view with every ``request_routing_stats_period_s``."""
+        snap = self.engine.pool.snapshot()
+        stats = self.engine.stats()
+        return {
+            "seq": snap.seq, "slots": snap.slots, "resident": dict(snap.resident), "pinned": sorted(snap.pinned),
+            "free_slots": snap.free_slots, "host_cached": stats["host_cached"], "loading": sorted(self.loading),
+            "queue_len": stats["waiting"] + stats["running"],
+        }
+
+    def check_health(self) -> None:
+        if not self.engine._thread.is_alive():
+            raise RuntimeError("the engine thread died")
+        for task in self._tasks:
+            if task.done() and task.exception() is not None:
+                raise RuntimeError(f"background task failed: {task.exception()!r}")
+
+    def reconfigure(self, user_config: dict) -> None:
+        """Live settings: eviction_policy, max_batch_size (<= the KV rows allocated), max_tokens_limit."""
+        from pool.eviction import get_eviction_policy
+
+        if "eviction_policy" in user_config:
+            new = get_eviction_policy(user_config["eviction_policy"])
+            pool = self.engine.pool
+            with pool._lock:
+                for uid in pool.uid_to_slot:  # keep residents tracked, oldest slot first
+                    new.mark_used(uid)
+                pool.eviction_policy = new
+        if "max_batch_size" in user_config:
+            size = int(user_config["max_batch_size"])
+            if not 1 <= size <= self.engine.cache.max_rows:
+                raise ValueError(f"max_batch_size must be in [1, {self.engine.cache.max_rows}], got {size}")
+            self.engine.scheduler.max_batch_size = size
+        if "max_tokens_limit" in user_config:
+            self.engine.config.max_tokens_limit = int(user_config["max_tokens_limit"])
+
+    def __del__(self):
+        for task in getattr(self, "_tasks", []):
+            task.cancel()
+        if hasattr(self, "engine"):
+            self.engine.shutdown()
+
+    # ------------------------------------------------------------------ background
+
+    def _heartbeat(self) -> dict:
+        stats = self.engine.stats()
+        return {"queue_len": stats["waiting"] + stats["running"], "host_cached": stats["host_cached"],
+                "loading": sorted(self.loading)}
+
+    async def _report_loop(self) -> None:
+        since_heartbeat = HEARTBEAT_INTERVAL_S
+        while True:
+            await asyncio.sleep(FLUSH_INTERVAL_S)
+            since_heartbeat += FLUSH_INTERVAL_S
+            if not len(self.events) and not self.events.resync_needed and since_heartbeat < HEARTBEAT_INTERVAL_S:
+                continue
+            since_heartbeat = 0.0
+            events, resync = self.events.drain()
+            snapshot = self.engine.pool.snapshot().to_dict() if resync else None
+            try:
+                reply = await self.directory.report.remote(self.replica_id, events, self._heartbeat(), snapshot)
+                if reply.get("resync"):
+                    self.events.request_resync()
+            except Exception as exc:  # the directory restarts: resend the whole state when it is back
+                log.warning("lorafleet worker %s: report failed (%r); will resync", self.replica_id, exc)
+                self.events.request_resync()
+                await asyncio.sleep(0.5)
+
+    async def _registry_changed(self, old: dict[str, RegistryEntry], new: dict[str, RegistryEntry]) -> None:
+        """Retire adapters unregistered (or re-registered under a new uid); re-apply pins."""
+        for name, entry in old.items():
+            if (name not in new or new[name].uid != entry.uid) and name in self.engine.adapters \
+                    and name not in self._retiring:
+                self._retiring.add(name)
+                asyncio.get_running_loop().create_task(self._retire(name))
+        await self._apply_pins()
+
+    async def _retire(self, name: str) -> None:
+        try:
+            await asyncio.to_thread(self.engine.unregister_adapter, name, self.args.drain_timeout_s)
+        except AdapterNotFoundError:
+            pass
+        finally:
+            self._retiring.discard(name)
+
+    async def _apply_pins(self) -> None:
+        """Pin each pinned adapter on its first R replicas in rendezvous order; unpin elsewhere."""
+        replicas = sorted(set(self.registry.replicas) | {self.replica_id})
+        for name, entry in self.registry.entries.items():
+            should_pin = entry.pinned and self.replica_id in rendezvous_order(name, replicas)[: entry.replicas]
+            is_pinned = self.engine.adapters.get(name) == entry.uid and entry.uid in self.engine.pool.pinned
+            try:
+                if should_pin and not is_pinned:
+                    if self.engine.adapters.get(name) != entry.uid:
+                        await self._ensure_adapter(name)
+                    await asyncio.to_thread(self.engine.pin_adapter, name)
+                elif is_pinned and not should_pin:
+                    await asyncio.to_thread(self.engine.unpin_adapter, name)
+            except LoRAFleetError as exc:  # a refused pin (starvation guard) must not break the sync loop
+                log.warning("lorafleet worker %s: pin of %s failed: %r", self.replica_id, name, exc)

@@ -1,0 +1,139 @@
+"""A router's local view of the fleet: directory deltas, routing-stats snapshots, own decisions.
+
+No Ray here, so the simulator and unit tests drive the same code. Three sources, merged:
+- directory deltas (fast path, replica-granular states with a ``seq``);
+- ``record_routing_stats`` snapshots from each replica (Serve-native; the newer ``seq`` wins,
+  which repairs drift if deltas were lost);
+- this router's own recent decisions ("I just sent X to k"), trusted until ``ttl_s`` passes
+  or the replica reports a newer state.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterable, Mapping, Optional
+
+import numpy as np
+
+from .policy import FleetView
+
+
+def adapter_name(uid: str) -> str:
+    """Registration uids are ``name@<id>``; routing keys by the user-facing name."""
+    return uid.rsplit("@", 1)[0]
+
+
+class RouterView:
+    def __init__(self, ttl_s: float = 3.0, clock: Callable[[], float] = time.monotonic):
+        self.states: dict[str, Mapping] = {}   # replica id -> state dict (directory or routing stats)
+        self.epoch: Optional[str] = None
+        self.version = -1
+        self.last_update = 0.0
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._optimistic: dict[str, dict[str, float]] = {}  # name -> replica -> expiry
+        self._generation = 0
+        self._cache_key: Optional[tuple] = None
+        self._cache: Optional[FleetView] = None
+
+    # ------------------------------------------------------------------ inputs
+
+    def apply_directory_reply(self, reply: Mapping) -> None:
+        """A ``get_changes`` reply: deltas, or a full view (first poll, restart, or a log gap)."""
+        if reply.get("epoch") != self.epoch or "full" in reply:
+            self.states = {r: s for r, s in reply.get("full", {}).items()}
+            self.epoch = reply.get("epoch")
+            if "full" not in reply:  # new epoch but only deltas: ask again from scratch
+                self.version = -1
+                self._touch()
+                return
+        for replica_id, state in reply.get("changes", {}).items():
+            if state.get("removed"):
+                self.states.pop(replica_id, None)
+            elif state.get("seq", 0) >= self.states.get(replica_id, {}).get("seq", -1):
+                self.states[replica_id] = state
+        self.version = reply["version"]
+        self.last_update = self._clock()
+        self._touch()
+
+    def apply_routing_stats(self, replica_id: str, stats: Optional[Mapping]) -> None:
+        """A replica's own snapshot; it replaces the directory's state when it is newer."""
+        if not stats or "seq" not in stats:
+            return
+        current = self.states.get(replica_id)
+        if current is None or stats["seq"] > current.get("seq", -1):
+            merged = dict(current or {}, replica_id=replica_id)
+            merged.update(stats)
+            self.states[replica_id] = merged
+            self._touch()
+
+    def record_decision(self, adapter: Optional[str], replica_id: str) -> None:
+        if adapter is not None:
+            self._optimistic.setdefault(adapter, {})[replica_id] = self._clock() + self.ttl_s
+
+    # ------------------------------------------------------------------ output
+
+    def fleet_view(self, replica_ids: tuple[str, ...]) -> FleetView:
+        """The policy's input for these candidate replicas, cached until anything changes."""
+        key = (replica_ids, self._generation)
+        if key != self._cache_key:
+            self._cache = self._build(replica_ids)
+            self._cache_key = key
+        view = self._cache
+        if self._optimistic:
+            view = self._with_optimistic(view)
+        return view
+
+    def queue_len(self, replica_id: str) -> int:
+        return int(self.states.get(replica_id, {}).get("queue_len", 0))
+
+    def holders_of(self, adapter: str) -> set[str]:
+        return {r for r, s in self.states.items() if any(adapter_name(u) == adapter for u in s.get("resident", {}))}
+
+    # ------------------------------------------------------------------ internals
+
+    def _touch(self) -> None:
+        self._generation += 1
+
+    def _build(self, replica_ids: tuple[str, ...]) -> FleetView:
+        holders: dict[str, set[int]] = {}
+        warm: dict[str, set[int]] = {}
+        free = np.zeros(len(replica_ids), dtype=bool)
+        for i, replica_id in enumerate(replica_ids):
+            state = self.states.get(replica_id)
+            if not state:
+                free[i] = True  # a replica nobody has heard of yet is empty
+                continue
+            for uid in state.get("resident", {}):
+                holders.setdefault(adapter_name(uid), set()).add(i)
+            for uid in (*state.get("host_cached", ()), *state.get("loading", ())):
+                warm.setdefault(adapter_name(uid), set()).add(i)
+            free[i] = state.get("free_slots", 0) > 0
+        return FleetView(replica_ids, holders=holders, warm=warm, free_slots=free)
+
+    def _with_optimistic(self, view: FleetView) -> FleetView:
+        now = self._clock()
+        holders = dict(view.holders)
+        for adapter, targets in list(self._optimistic.items()):
+            live = {r: t for r, t in targets.items() if t > now}
+            if not live:
+                del self._optimistic[adapter]
+                continue
+            self._optimistic[adapter] = live
+            extra = {view.index[r] for r in live if r in view.index}
+            if extra:
+                holders[adapter] = set(holders.get(adapter, ())) | extra
+        shallow = FleetView.__new__(FleetView)
+        shallow.__dict__.update(view.__dict__)
+        shallow.holders = holders
+        return shallow
+
+
+def replica_loads(replica_ids: Iterable[str], cached: Mapping[str, Optional[int]], inflight: Mapping[str, int],
+                  view: RouterView) -> np.ndarray:
+    """Queue length per replica: Serve's probed cache when fresh, else our own count or the report."""
+    loads = []
+    for r in replica_ids:
+        probed = cached.get(r)
+        loads.append(probed if probed is not None else max(inflight.get(r, 0), view.queue_len(r)))
+    return np.asarray(loads, dtype=np.float64)

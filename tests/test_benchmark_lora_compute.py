@@ -1,0 +1,35 @@
+"""The LoRA compute benchmark runs end to end on a tiny model and its correctness check holds."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("peft")
+pytest.importorskip("transformers")
+
+from benchmarks import lora_compute  # noqa: E402
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            vocab_size=256)
+
+
+def test_lora_compute_tiny(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(lora_compute, "MODEL", TINY)
+    monkeypatch.setattr(lora_compute, "DECODE_BATCH", 16)
+    monkeypatch.setattr(lora_compute, "DECODE_CONTEXT", 8)
+    monkeypatch.setattr(lora_compute, "PREFILL_LEN", 12)
+    out = tmp_path / "lora_compute.json"
+    assert lora_compute.main(["--quick", "--layers", "2", "--repeats", "1", "--json", str(out)]) == 0
+
+    printed = capsys.readouterr().out
+    assert "goal: 8 adapters <= 1.3x base decode" in printed
+    assert "goal: >= 1.5x faster than PEFT mixed" in printed
+    data = json.loads(out.read_text())
+    assert [row["case"] for row in data["rows"]] == [f"{impl}: {case}" for impl, case in lora_compute.CASES]
+    assert all(row["decode_ms"] > 0 and row["prefill_ms"] > 0 for row in data["rows"])
+    check = data["metadata"]["correctness"]
+    assert check["ok"]
+    assert check["adapter_effect"] > 100 * max(check["decode_max_abs_diff"], check["prefill_max_abs_diff"])
+    assert set(data["metadata"]["goals"]) >= {"decode_overhead", "speedup_vs_peft_decode", "speedup_vs_peft_prefill"}
