@@ -6,6 +6,8 @@ and wires ingress -> workers (routed by ``AdapterAffinityRouter``) and the direc
 
 from __future__ import annotations
 
+from typing import Optional
+
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
@@ -16,10 +18,14 @@ from .worker import LoRAWorker
 
 
 def build_app(args: dict) -> Application:
-    parsed = AppArgs(**(args or {}))
+    return build_fleet(AppArgs(**(args or {})))
+
+
+def build_fleet(parsed: AppArgs, worker_options: Optional[dict] = None) -> Application:
+    """The application graph; ``worker_options`` overrides LoRAWorker's deployment options (tests, scripts)."""
     plain = parsed.model_dump()
     directory = AdapterDirectoryActor.bind()
-    worker = LoRAWorker.options(
+    options = dict(
         max_ongoing_requests=parsed.max_batch_size,  # spill only when a holder's batch is really full
         max_queued_requests=parsed.max_queued_requests,
         request_router_config=RequestRouterConfig(
@@ -27,5 +33,7 @@ def build_app(args: dict) -> Application:
             request_router_kwargs={"load_bound_epsilon": parsed.load_bound_epsilon},
             request_routing_stats_period_s=1.0,
         ),
-    ).bind(plain, directory)
+    )
+    options.update(worker_options or {})
+    worker = LoRAWorker.options(**options).bind(plain, directory)
     return LoRAFleetIngress.bind(plain, worker, directory)

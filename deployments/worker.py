@@ -19,7 +19,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from engine.engine import LoRAEngine
-from engine.request import GenerateRequest, GenerateResult, TokenDelta
+from engine.request import GenerateRequest, GenerateResult, ReplicaTarget, TokenDelta
 from pool.errors import AdapterNotFoundError, LoRAFleetError
 from routing.hashing import rendezvous_order
 
@@ -119,8 +119,10 @@ class LoRAWorker:
         self.engine.store.unregister(uid)
         return {"rank": record.rank, "bytes": record.nbytes, "folder": str(record.folder)}
 
-    def pool_state(self) -> dict:
-        """This replica's pool, exactly (tests compare the directory's view with it)."""
+    def pool_state(self, target: Optional[ReplicaTarget] = None) -> dict:
+        """This replica's pool, exactly; call it with a ``ReplicaTarget`` to ask one replica."""
+        if target is not None and target.target_replica != self.replica_id:
+            raise RuntimeError(f"pool_state for {target.target_replica} reached replica {self.replica_id}")
         snap = self.engine.pool.snapshot().to_dict()
         snap["host_cached"] = self.engine.store.host_cache.uids()
         return snap

@@ -35,6 +35,13 @@ class GenerateRequest:
 
 
 @dataclass
+class ReplicaTarget:
+    """Routes a call to one named replica (introspection, per-replica admin); routers honour it."""
+
+    target_replica: str
+
+
+@dataclass
 class TokenDelta:
     """One streamed step: new text (stop strings held back until they cannot match)."""
 

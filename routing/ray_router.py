@@ -81,6 +81,10 @@ class AdapterAffinityRouter(FIFOMixin, RequestRouter):
             self.view.apply_routing_stats(replica_id, replica.routing_stats)
         cache = self.replica_queue_len_cache
         loads = replica_loads(ids, {r: cache.get(by_id[r].replica_id) for r in ids}, self._inflight, self.view)
+        target = getattr(pending_request.args[0], "target_replica", None) if pending_request and pending_request.args \
+            else None
+        if target is not None:
+            return [[by_id[target]]] if target in by_id else []
         adapter = request_adapter(pending_request)
         decision = choose_replicas(adapter, self.view.fleet_view(ids), loads, self.routing_config)
         if pending_request is not None:

@@ -23,3 +23,38 @@ def demo_assets(demo_root):
     from engine.demo import ensure_demo_assets
 
     return ensure_demo_assets(demo_root, num_adapters=6)
+
+
+ADMIN_TOKEN = "test-admin-token"
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(demo_root):
+    """One local Ray cluster for the whole session (env set first, so every worker inherits it)."""
+    import ray
+    from ray import serve
+
+    os.environ["LORAFLEET_ADMIN_TOKEN"] = ADMIN_TOKEN
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": 8000})
+    yield ray
+    serve.shutdown()
+    ray.shutdown()
+
+
+FLEET_ARGS = dict(max_loras_per_batch=3, max_lora_rank=16, max_batch_size=4, max_tokens_limit=64,
+                  max_model_len=256, host_cache_bytes=64 << 20)
+
+
+@pytest.fixture(scope="session")
+def fleet(ray_cluster, demo_assets):
+    """The lorafleet app on the session cluster: 2 workers x 3 slots, the six demo adapters."""
+    from ray import serve
+
+    from deployments.app import build_fleet
+    from deployments.config import AppArgs
+
+    args = AppArgs(**FLEET_ARGS)
+    handle = serve.run(build_fleet(args, {"num_replicas": 2, "ray_actor_options": {"num_cpus": 1}}),
+                       name="lorafleet", route_prefix="/")
+    return handle

@@ -1,0 +1,107 @@
+"""The Ray Serve core on a local cluster: affinity, a true directory view, pinning, handles."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from engine.request import GenerateRequest
+from fleet_helpers import directory, live_replicas, real_pool, view_matches_pools
+from pool.errors import AdapterNotFoundError
+
+
+def generate(fleet, adapter, prompt="hello", max_tokens=3):
+    return fleet.generate.remote(GenerateRequest(adapter=adapter, prompt=prompt, max_tokens=max_tokens)).result()
+
+
+def test_after_warm_up_requests_land_on_the_replica_holding_the_adapter(fleet):
+    replicas = live_replicas(2)
+    assert len(replicas) == 2
+    adapters = ["demo-1", "demo-2", "demo-3", "demo-4"]  # fits 2 replicas x 3 slots (plus base slots)
+    for adapter in adapters * 2:  # warm-up
+        generate(fleet, adapter)
+    placement = {}
+    misplaced = 0
+    for adapter in adapters * 5:
+        result = generate(fleet, adapter)
+        if placement.setdefault(adapter, result.replica_id) != result.replica_id:
+            misplaced += 1
+        pool = real_pool(result.replica_id)
+        assert any(uid.startswith(adapter + "@") for uid in pool["resident"]), (adapter, pool)
+    assert misplaced == 0
+    assert len(set(placement.values())) == 2  # the working set was spread, not piled on one replica
+
+
+def test_directory_view_equals_real_pools_within_a_second_of_evictions(fleet):
+    live_replicas(2)
+    for extra in ["demo-6", "demo-7"]:  # 8 adapters + the base model > 2 replicas x 3 slots
+        entry = fleet.register_adapter.remote(extra, f"demo:{extra}").result()
+        assert entry["uid"].startswith(extra + "@")
+    before = sum(real_pool(r)["counters"]["evictions"] for r in live_replicas(2))
+    for adapter in ["demo-0", "demo-5", "demo-6", "demo-7", None, "demo-1", "demo-2", "demo-3", "demo-4",
+                    "demo-6", None, "demo-0"]:
+        generate(fleet, adapter)
+        ok, elapsed = view_matches_pools(timeout_s=1.0)
+        assert ok, f"directory view still differs {elapsed:.2f}s after the request"
+    after = sum(real_pool(r)["counters"]["evictions"] for r in live_replicas(2))
+    assert after > before  # the sequence really evicted
+
+
+def test_pinned_adapter_survives_a_flood_of_other_adapters(fleet):
+    result = fleet.pin_adapter.remote("demo-4").result()
+    assert result["pinned"]
+    deadline = time.monotonic() + 10
+    holders = []
+    while time.monotonic() < deadline:
+        view = directory().view.remote().result()["replicas"]
+        holders = [r for r, s in view.items() if any(u.startswith("demo-4@") for u in s["pinned"])]
+        if holders:
+            break
+        time.sleep(0.1)
+    assert len(holders) == 1  # pin_replicas = 1: its first replica in rendezvous order
+    try:
+        for adapter in ["demo-0", "demo-1", "demo-2", "demo-3", "demo-5"] * 3:
+            generate(fleet, adapter)
+            assert any(u.startswith("demo-4@") for u in real_pool(holders[0])["pinned"])
+    finally:
+        fleet.unpin_adapter.remote("demo-4").result()
+
+
+def test_unknown_adapter_raises_a_typed_error_naming_it(fleet):
+    with pytest.raises(AdapterNotFoundError, match="never-registered"):
+        generate(fleet, "never-registered")
+
+
+def test_streaming_through_the_handle(fleet):
+    stream = fleet.options(stream=True).generate_stream.remote(
+        GenerateRequest(adapter="demo-2", prompt="stream", max_tokens=5))
+    items = list(stream)
+    final = items[-1]
+    assert final.finish_reason == "length" and final.completion_tokens == 5
+    assert "".join(d.text for d in items[:-1]) == final.text
+
+
+def test_a_separate_ray_driver_gets_completions_through_the_app_handle(fleet, ray_cluster):
+    script = textwrap.dedent("""
+        import ray
+        from ray import serve
+        from engine.request import GenerateRequest
+        ray.init(address="auto", namespace="serve", log_to_driver=False)
+        handle = serve.get_app_handle("lorafleet")
+        result = handle.generate.remote(GenerateRequest(adapter="demo-1", prompt="from afar", max_tokens=4)).result()
+        print("RESULT", result.adapter, result.completion_tokens, result.replica_id)
+    """)
+    address = ray_cluster.get_runtime_context().gcs_address
+    env = {**os.environ, "RAY_ADDRESS": address}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=180,
+                          cwd=Path(__file__).parents[1])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")][-1]
+    _, adapter, tokens, replica = line.split()
+    assert adapter == "demo-1" and tokens == "4" and replica in live_replicas(2)
