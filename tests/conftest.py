@@ -54,7 +54,10 @@ def fleet(ray_cluster, demo_assets):
     from deployments.app import build_fleet
     from deployments.config import AppArgs
 
-    args = AppArgs(**FLEET_ARGS)
+    import tempfile
+
+    args = AppArgs(**FLEET_ARGS, adapter_roots=[str(demo_assets.model_dir.parents[1]), tempfile.gettempdir()],
+                   hub_orgs=["acme"])
     handle = serve.run(build_fleet(args, {"num_replicas": 2, "ray_actor_options": {"num_cpus": 1}}),
                        name="lorafleet", route_prefix="/")
     return handle

@@ -1,0 +1,247 @@
+"""The HTTP API through real HTTP on the session cluster, with the official openai client."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+
+from conftest import ADMIN_TOKEN, FLEET_ARGS
+from engine.config import EngineConfig
+from engine.engine import LoRAEngine
+from engine.request import GenerateRequest
+
+BASE = "http://127.0.0.1:8000"
+AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+
+
+@pytest.fixture(scope="module")
+def client(fleet):
+    return openai.OpenAI(base_url=f"{BASE}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def local_engine(demo_assets):
+    """The engine in this process, for 'same output as the engine's direct output'."""
+    engine = LoRAEngine(EngineConfig(base_model=str(demo_assets.model_dir), max_loras_per_batch=3,
+                                     max_lora_rank=16, max_model_len=256, max_tokens_limit=64))
+    for name, path in demo_assets.adapters.items():
+        engine.register_adapter(name, str(path))
+    yield engine
+    engine.shutdown()
+
+
+def admin_state() -> dict:
+    reply = httpx.get(f"{BASE}/v1/adapters", headers=AUTH, timeout=30)
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    return {"data": body["data"], "resident": {r: s["resident"] for r, s in body["replicas"].items()}}
+
+
+@pytest.mark.parametrize("model", ["demo", "demo-1", "demo-2"])
+def test_completions_match_the_engine(client, local_engine, model):
+    reply = client.completions.create(model=model, prompt="The fleet", max_tokens=8, temperature=0)
+    adapter = None if model == "demo" else model
+    direct = local_engine.generate_blocking(GenerateRequest(adapter=adapter, prompt="The fleet", max_tokens=8))
+    assert reply.choices[0].text == direct.text
+    assert reply.choices[0].finish_reason == direct.finish_reason
+    assert reply.usage.prompt_tokens == direct.prompt_tokens and reply.usage.completion_tokens == 8
+    assert reply.model == model and reply.object == "text_completion"
+
+
+@pytest.mark.parametrize("model", ["demo", "demo-3"])
+def test_chat_completions_match_the_engine(client, local_engine, model):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    reply = client.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0)
+    adapter = None if model == "demo" else model
+    direct = local_engine.generate_blocking(GenerateRequest(adapter=adapter, messages=messages, max_tokens=6))
+    assert reply.choices[0].message.content == direct.text
+    assert reply.choices[0].message.role == "assistant"
+    assert reply.usage.total_tokens == direct.prompt_tokens + direct.completion_tokens
+
+
+def test_streaming_completions_and_chat(client):
+    full = client.completions.create(model="demo-4", prompt="stream", max_tokens=10, temperature=0)
+    chunks = list(client.completions.create(model="demo-4", prompt="stream", max_tokens=10, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "length" and all(f is None for f in finishes[:-1])
+    assert chunks[-1].usage.completion_tokens == 10
+
+    messages = [{"role": "user", "content": "hi"}]
+    chat_full = client.chat.completions.create(model="demo-0", messages=messages, max_tokens=7, temperature=0)
+    chat_chunks = list(client.chat.completions.create(model="demo-0", messages=messages, max_tokens=7,
+                                                      temperature=0, stream=True))
+    assert chat_chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chat_chunks) == chat_full.choices[0].message.content
+    assert chat_chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_raw_stream_ends_with_done(fleet):
+    with httpx.stream("POST", f"{BASE}/v1/completions", timeout=30,
+                      json={"model": "demo-1", "prompt": "x", "max_tokens": 3, "stream": True}) as r:
+        lines = [l for l in r.iter_lines() if l]
+    assert r.headers["content-type"].startswith("text/event-stream")
+    assert lines[-1] == "data: [DONE]"
+    assert all(l.startswith("data: ") for l in lines)
+
+
+def test_models_list(client):
+    ids = [m.id for m in client.models.list().data]
+    assert ids[0] == "demo"
+    assert {f"demo-{i}" for i in range(6)} <= set(ids)
+
+
+def test_health(fleet):
+    assert httpx.get(f"{BASE}/health", timeout=10).json()["status"] == "ok"
+
+
+def test_admin_requires_the_bearer_token(fleet):
+    assert httpx.get(f"{BASE}/v1/adapters", timeout=10).status_code == 401
+    wrong = httpx.get(f"{BASE}/v1/adapters", headers={"Authorization": "Bearer nope"}, timeout=10)
+    assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "unauthorized"
+    assert httpx.get(f"{BASE}/v1/adapters", headers=AUTH, timeout=10).status_code == 200
+
+
+def test_register_use_pin_unregister_round_trip(client):
+    made = httpx.post(f"{BASE}/v1/adapters", headers=AUTH, timeout=60,
+                      json={"name": "round-trip", "source": "demo:demo-8"})
+    assert made.status_code == 201, made.text
+    uid = made.json()["uid"]
+    assert uid.startswith("round-trip@") and made.json()["rank"] == 16
+    assert "round-trip" in [m.id for m in client.models.list().data]
+    out = client.completions.create(model="round-trip", prompt="hi", max_tokens=3, temperature=0)
+    assert out.usage.completion_tokens == 3
+    entry = next(a for a in admin_state()["data"] if a["name"] == "round-trip")
+    assert entry["resident_on"] and entry["loads"] >= 1
+
+    pinned = httpx.post(f"{BASE}/v1/adapters/round-trip/pin", headers=AUTH, timeout=30)
+    assert pinned.status_code == 200 and pinned.json()["pinned"] is True
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        entry = next(a for a in admin_state()["data"] if a["name"] == "round-trip")
+        if entry["pinned_on"]:
+            break
+        time.sleep(0.1)
+    assert entry["pinned"] and len(entry["pinned_on"]) == 1
+    assert httpx.post(f"{BASE}/v1/adapters/round-trip/unpin", headers=AUTH, timeout=30).json()["pinned"] is False
+
+    gone = httpx.delete(f"{BASE}/v1/adapters/round-trip", headers=AUTH, timeout=30)
+    assert gone.status_code == 200 and gone.json()["uid"] == uid
+    assert "round-trip" not in [a["name"] for a in admin_state()["data"]]
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="round-trip", prompt="hi", max_tokens=3)
+    deadline = time.monotonic() + 10  # workers drain and unload it everywhere
+    while time.monotonic() < deadline and any(uid in res for res in admin_state()["resident"].values()):
+        time.sleep(0.1)
+    assert not any(uid in res for res in admin_state()["resident"].values())
+
+
+@pytest.fixture(scope="module")
+def bad_adapters(demo_assets, tmp_path_factory):
+    """Adapters that must be refused: rank above the pool's max, pickle weights, corrupt weights."""
+    from transformers import AutoConfig
+
+    from engine.demo import write_demo_adapter
+    from pool.shapes import LoRAModelShape
+
+    root = tmp_path_factory.mktemp("bad-adapters")
+    shape = LoRAModelShape.from_hf_config(AutoConfig.from_pretrained(demo_assets.model_dir), ["q_proj", "v_proj"])
+    big = write_demo_adapter(root / "rank32", shape, rank=32, target_modules=["q_proj", "v_proj"], alpha=32, seed=5)
+    pickled = root / "pickled"
+    shutil.copytree(demo_assets.adapters["demo-0"], pickled)
+    weights = pickled / "adapter_model.safetensors"
+    from safetensors.torch import load_file
+
+    torch.save(load_file(weights), pickled / "adapter_model.bin")
+    weights.unlink()
+    corrupt = root / "corrupt"
+    shutil.copytree(demo_assets.adapters["demo-0"], corrupt)
+    data = (corrupt / "adapter_model.safetensors").read_bytes()
+    (corrupt / "adapter_model.safetensors").write_bytes(data[: len(data) // 3])
+    return {"big": str(big), "pickled": str(pickled), "corrupt": str(corrupt)}
+
+
+def _bad_cases(bad):
+    completions, chat, admin = "/v1/completions", "/v1/chat/completions", "/v1/adapters"
+    return [
+        ("POST", completions, {"model": "no-such-adapter", "prompt": "x"}, 404, "no-such-adapter"),
+        ("POST", chat, {"model": "no-such-adapter", "messages": [{"role": "user", "content": "x"}]}, 404,
+         "no-such-adapter"),
+        ("POST", completions, {"model": "demo-1", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+        ("POST", completions, {"model": "demo-1", "prompt": "x", "max_tokens": 65}, 400, "max_tokens"),
+        ("POST", completions, {"model": "demo-1", "prompt": "x", "temperature": -1}, 400, "temperature"),
+        ("POST", completions, {"model": "demo-1", "prompt": "x", "top_p": 0}, 400, "top_p"),
+        ("POST", completions, {"model": "demo-1", "prompt": ""}, 400, "prompt"),
+        ("POST", completions, {"model": "demo-1", "prompt": "x", "n": 2}, 400, "n"),
+        ("POST", completions, {"model": "demo-1"}, 400, "prompt"),
+        ("POST", chat, {"model": "demo-1", "messages": []}, 400, "messages"),
+        ("POST", completions, {"model": "demo-1", "prompt": "x" * 40_000}, 400, "prompt"),
+        ("POST", completions, {"model": "demo-1", "prompt": "x" * 2_000_000}, 413, "exceeds"),
+        ("POST", admin, {"name": "bad/name", "source": "demo:demo-0"}, 400, "name"),
+        ("POST", admin, {"name": "big", "source": bad["big"]}, 400, "rank 32"),
+        ("POST", admin, {"name": "pickled", "source": bad["pickled"]}, 400, "pickle"),
+        ("POST", admin, {"name": "corrupt", "source": bad["corrupt"]}, 400, "corrupt"),
+        ("POST", admin, {"name": "missing", "source": "/tmp/no/such/adapter"}, 404, "does not exist"),
+        ("POST", admin, {"name": "outside", "source": "/etc"}, 403, "allowed roots"),
+        ("POST", admin, {"name": "hub", "source": "evil/adapter"}, 403, "evil"),
+        ("POST", admin, {"name": "demo-1", "source": "demo:demo-2"}, 409, "already registered"),
+        ("POST", admin, {"name": "x", "source": "demo:demo-0", "color": "red"}, 400, "color"),
+        ("DELETE", admin + "/no-such-adapter", None, 404, "no-such-adapter"),
+        ("POST", admin + "/no-such-adapter/pin", None, 404, "no-such-adapter"),
+    ]
+
+
+def test_every_bad_input_gets_its_status_and_changes_nothing(fleet, bad_adapters):
+    before = admin_state()
+    for method, path, body, status, needle in _bad_cases(bad_adapters):
+        reply = httpx.request(method, f"{BASE}{path}", json=body, headers=AUTH, timeout=60)
+        assert reply.status_code == status, (path, body and list(body), reply.text[:300])
+        error = reply.json()["error"]
+        assert needle in error["message"] or needle == error.get("param"), (needle, error)
+        if status == 429 or status == 503:
+            assert "retry-after" in reply.headers
+    rank_error = httpx.post(f"{BASE}/v1/adapters", headers=AUTH, timeout=60,
+                            json={"name": "big", "source": bad_adapters["big"]}).json()["error"]["message"]
+    assert "32" in rank_error and str(FLEET_ARGS["max_lora_rank"]) in rank_error  # both numbers
+    assert admin_state() == before
+
+
+def test_pinning_the_last_free_slot_is_refused(fleet):
+    pin = lambda name: httpx.post(f"{BASE}/v1/adapters/{name}/pin", headers=AUTH, json={"replicas": 2}, timeout=30)
+    try:
+        assert pin("demo-0").status_code == 200
+        assert pin("demo-1").status_code == 200  # 2 of 3 slots pinned on both replicas
+        before = admin_state()
+        refused = pin("demo-2")
+        assert refused.status_code == 409 and "at least one slot" in refused.json()["error"]["message"]
+        assert [a["pinned"] for a in admin_state()["data"]] == [a["pinned"] for a in before["data"]]
+    finally:
+        for name in ["demo-0", "demo-1"]:
+            httpx.post(f"{BASE}/v1/adapters/{name}/unpin", headers=AUTH, timeout=30)
+
+
+def test_admin_api_is_off_without_a_configured_token(ray_cluster, fleet):
+    from ray import serve
+
+    from deployments.app import build_fleet
+    from deployments.config import AppArgs
+
+    args = AppArgs(**FLEET_ARGS, admin_token_env="LORAFLEET_TEST_UNSET_TOKEN", adapters=[])
+    serve.run(build_fleet(args, {"num_replicas": 1, "ray_actor_options": {"num_cpus": 1}}),
+              name="lorafleet-noadmin", route_prefix="/noadmin")
+    try:
+        reply = httpx.get(f"{BASE}/noadmin/v1/adapters", headers=AUTH, timeout=30)
+        assert reply.status_code == 403
+        assert "LORAFLEET_TEST_UNSET_TOKEN" in reply.json()["error"]["message"]
+        models = httpx.get(f"{BASE}/noadmin/v1/models", timeout=30).json()
+        assert [m["id"] for m in models["data"]] == ["demo"]
+    finally:
+        serve.delete("lorafleet-noadmin")
