@@ -19,6 +19,7 @@ from ray import serve
 from pool.errors import AdapterNotFoundError
 from routing.directory import AdapterDirectory
 
+from .metrics import DirectoryMetrics
 from .registry import RegistryEntry
 
 log = logging.getLogger("ray.serve")
@@ -54,6 +55,7 @@ class AdapterDirectoryActor:
     def __init__(self, replica_timeout_s: float = 10.0):
         self.directory = AdapterDirectory(replica_timeout_s=replica_timeout_s)
         self.epoch = uuid.uuid4().hex  # routers start over when the directory restarts
+        self.metrics = DirectoryMetrics()
         self._view_changes = _Versioned()
         self._registry_changes = _Versioned()
         self._app = serve.get_replica_context().app_name
@@ -161,6 +163,7 @@ class AdapterDirectoryActor:
     async def _expire_loop(self) -> None:
         while True:
             await asyncio.sleep(1.0)
+            self.metrics.update(self.directory)
             if self.directory.expire():
                 self._view_changes.bump()
                 self._registry_changes.bump()

@@ -25,6 +25,7 @@ from routing.hashing import rendezvous_order
 
 from .config import AppArgs, resolve_demo_source
 from .event_buffer import EventBuffer
+from .metrics import PoolMetrics
 from .registry import RegistryEntry, RegistryFollower
 
 log = logging.getLogger("ray.serve")
@@ -58,6 +59,7 @@ class LoRAWorker:
             torch.set_num_threads(_torch_threads())
         self.engine = await asyncio.to_thread(LoRAEngine, self.args.engine_config(self.replica_id))
         self.events = EventBuffer()
+        self.metrics = PoolMetrics()
         self.engine.pool.subscribe(self.events.append)
         self.directory = directory
         self.registry = RegistryFollower(directory, self._registry_changed, REGISTRY_POLL_TIMEOUT_S)
@@ -186,6 +188,7 @@ class LoRAWorker:
             if not len(self.events) and not self.events.resync_needed and since_heartbeat < HEARTBEAT_INTERVAL_S:
                 continue
             since_heartbeat = 0.0
+            self.metrics.update(self.engine.pool, self.engine.store.host_cache)
             events, resync = self.events.drain()
             snapshot = self.engine.pool.snapshot().to_dict() if resync else None
             try:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from typing import Callable, Iterable, Optional
 
 import torch
@@ -94,6 +95,7 @@ class LoRAMemoryPool:
         self.pinned: set[str] = set()
         self.active: frozenset[Uid] = frozenset()
         self.counters = PoolCounters()
+        self.recent_load_seconds: deque[float] = deque(maxlen=4096)  # drained by metrics exporters
         self._seq = 0
         self._listeners: list[EventListener] = []
         self._lock = threading.RLock()
@@ -321,6 +323,8 @@ class LoRAMemoryPool:
         self.slot_scale_values[slot] = weights.scaling
         self.uid_to_slot[uid] = slot
         self.slot_to_uid[slot] = uid
+        seconds = fetch_seconds + (time.perf_counter() - started)
         self.counters.loads += 1
-        self.counters.load_seconds += fetch_seconds + (time.perf_counter() - started)
+        self.counters.load_seconds += seconds
+        self.recent_load_seconds.append(seconds)
         self._emit("load", uid, slot)

@@ -28,6 +28,17 @@ def demo_assets(demo_root):
 ADMIN_TOKEN = "test-admin-token"
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+METRICS_PORT = _free_port()  # Ray's Prometheus endpoint for this session
+
+
 @pytest.fixture(scope="session")
 def ray_cluster(demo_root):
     """One local Ray cluster for the whole session (env set first, so every worker inherits it)."""
@@ -35,7 +46,8 @@ def ray_cluster(demo_root):
     from ray import serve
 
     os.environ["LORAFLEET_ADMIN_TOKEN"] = ADMIN_TOKEN
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, _metrics_export_port=METRICS_PORT,
+             _system_config={"metrics_report_interval_ms": 1000})
     serve.start(http_options={"host": "127.0.0.1", "port": 8000})
     yield ray
     serve.shutdown()
