@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -88,20 +87,14 @@ def test_streaming_through_the_handle(fleet):
 
 
 def test_a_separate_ray_driver_gets_completions_through_the_app_handle(fleet, ray_cluster):
-    script = textwrap.dedent("""
-        import ray
-        from ray import serve
-        from engine.request import GenerateRequest
-        ray.init(address="auto", namespace="serve", log_to_driver=False)
-        handle = serve.get_app_handle("lorafleet")
-        result = handle.generate.remote(GenerateRequest(adapter="demo-1", prompt="from afar", max_tokens=4)).result()
-        print("RESULT", result.adapter, result.completion_tokens, result.replica_id)
-    """)
-    address = ray_cluster.get_runtime_context().gcs_address
-    env = {**os.environ, "RAY_ADDRESS": address}
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=180,
-                          cwd=Path(__file__).parents[1])
+    """The README's example, run as its own driver against the session cluster."""
+    repo = Path(__file__).parents[1]
+    env = {**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}
+    proc = subprocess.run([sys.executable, str(repo / "examples" / "call_from_ray_app.py")], env=env,
+                          capture_output=True, text=True, timeout=180, cwd=repo)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")][-1]
-    _, adapter, tokens, replica = line.split()
-    assert adapter == "demo-1" and tokens == "4" and replica in live_replicas(2)
+    fields = dict(part.split("=", 1) for part in line.split()[1:4])
+    assert fields["adapter"] == "demo-1" and fields["tokens"] == "8" and fields["replica"] in live_replicas(2)
+    assert any(l.startswith("STREAM") for l in proc.stdout.splitlines())
+    assert any(l.startswith("ADAPTER demo-1") for l in proc.stdout.splitlines())

@@ -1,0 +1,1 @@
+"""KubeRay manifests and their renderer (`python -m manifests.render`); see manifests/README.md."""
