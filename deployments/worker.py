@@ -149,23 +149,8 @@ class LoRAWorker:
                 raise RuntimeError(f"background task failed: {task.exception()!r}")
 
     def reconfigure(self, user_config: dict) -> None:
-        """Live settings: eviction_policy, max_batch_size (<= the KV rows allocated), max_tokens_limit."""
-        from pool.eviction import get_eviction_policy
-
-        if "eviction_policy" in user_config:
-            new = get_eviction_policy(user_config["eviction_policy"])
-            pool = self.engine.pool
-            with pool._lock:
-                for uid in pool.uid_to_slot:  # keep residents tracked, oldest slot first
-                    new.mark_used(uid)
-                pool.eviction_policy = new
-        if "max_batch_size" in user_config:
-            size = int(user_config["max_batch_size"])
-            if not 1 <= size <= self.engine.cache.max_rows:
-                raise ValueError(f"max_batch_size must be in [1, {self.engine.cache.max_rows}], got {size}")
-            self.engine.scheduler.max_batch_size = size
-        if "max_tokens_limit" in user_config:
-            self.engine.config.max_tokens_limit = int(user_config["max_tokens_limit"])
+        """Live settings from ``user_config``: eviction_policy, max_batch_size, max_tokens_limit."""
+        self.engine.apply_settings(user_config or {})
 
     def __del__(self):
         for task in getattr(self, "_tasks", []):

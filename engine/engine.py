@@ -274,6 +274,32 @@ class LoRAEngine:
             raise box[0]
         return box[0]
 
+    # ------------------------------------------------------------------ live settings
+
+    LIVE_SETTINGS = ("eviction_policy", "max_batch_size", "max_tokens_limit")
+
+    def apply_settings(self, settings: dict) -> None:
+        """Change settings without a restart; all are checked before any is applied."""
+        from pool.eviction import get_eviction_policy
+
+        unknown = sorted(set(settings) - set(self.LIVE_SETTINGS))
+        if unknown:
+            raise ValueError(f"not live-changeable: {unknown}; live settings are {list(self.LIVE_SETTINGS)}")
+        policy = get_eviction_policy(settings["eviction_policy"]) if "eviction_policy" in settings else None
+        size = settings.get("max_batch_size")
+        if size is not None and not 1 <= int(size) <= self.cache.max_rows:
+            raise ValueError(f"max_batch_size must be in [1, {self.cache.max_rows}] (the KV rows allocated), "
+                             f"got {size}")
+        limit = settings.get("max_tokens_limit")
+        if limit is not None and int(limit) < 1:
+            raise ValueError(f"max_tokens_limit must be >= 1, got {limit}")
+        if policy is not None:
+            self.pool.set_eviction_policy(policy)
+        if size is not None:
+            self.scheduler.max_batch_size = int(size)
+        if limit is not None:
+            self.config.max_tokens_limit = int(limit)
+
     # ------------------------------------------------------------------ stats
 
     def stats(self) -> dict:

@@ -201,6 +201,15 @@ class LoRAMemoryPool:
         with self._lock:
             self.active = frozenset()
 
+    def set_eviction_policy(self, policy: EvictionPolicy) -> None:
+        """Switch policies live; residents enter the new one in slot order (their history is not portable)."""
+        with self._lock:
+            for slot in range(self.slots):
+                uid = self.slot_to_uid[slot]
+                if uid is not EMPTY:
+                    policy.mark_used(uid)
+            self.eviction_policy = policy
+
     # ------------------------------------------------------------------ pinning
 
     def pin(self, uid: str) -> int:

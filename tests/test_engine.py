@@ -148,3 +148,23 @@ def test_pin_survives_a_flood_of_other_adapters(engine, demo_assets):
             assert engine.pool.is_resident(engine.adapters["demo-5"])
     finally:
         engine.unpin_adapter("demo-5")
+
+
+def test_live_settings_apply_only_when_all_are_valid(engine):
+    before = (engine.pool.eviction_policy.name, engine.scheduler.max_batch_size, engine.config.max_tokens_limit)
+    for bad in [{"eviction_policy": "mru"}, {"max_batch_size": 999}, {"max_tokens_limit": 0},
+                {"max_lora_rank": 64}, {"eviction_policy": "fifo", "max_batch_size": 0}]:
+        with pytest.raises(ValueError):
+            engine.apply_settings(bad)
+        assert (engine.pool.eviction_policy.name, engine.scheduler.max_batch_size,
+                engine.config.max_tokens_limit) == before
+    engine.apply_settings({"eviction_policy": "fifo", "max_batch_size": 4, "max_tokens_limit": 32})
+    try:
+        assert engine.pool.eviction_policy.name == "fifo"
+        assert set(engine.pool.eviction_policy.order()) == {u for u in engine.pool.uid_to_slot if u is not None}
+        with pytest.raises(InvalidRequestError, match="32"):
+            engine.generate_blocking(GenerateRequest(prompt="x", max_tokens=33))
+        assert engine.generate_blocking(GenerateRequest(adapter="demo-1", prompt="x", max_tokens=3)).completion_tokens == 3
+    finally:
+        engine.apply_settings({"eviction_policy": before[0], "max_batch_size": before[1],
+                               "max_tokens_limit": before[2]})

@@ -228,13 +228,17 @@ def test_pinning_the_last_free_slot_is_refused(fleet):
             httpx.post(f"{BASE}/v1/adapters/{name}/unpin", headers=AUTH, timeout=30)
 
 
-def test_admin_api_is_off_without_a_configured_token(ray_cluster, fleet):
+def test_second_app_admin_off_and_queue_bound_gives_429(ray_cluster, fleet):
+    """A second app: no admin token configured (403), and a queue bound of 2 (429 + Retry-After)."""
+    import concurrent.futures
+
     from ray import serve
 
     from deployments.app import build_fleet
     from deployments.config import AppArgs
 
-    args = AppArgs(**FLEET_ARGS, admin_token_env="LORAFLEET_TEST_UNSET_TOKEN", adapters=[])
+    args = AppArgs(**{**FLEET_ARGS, "max_queued_requests": 2}, admin_token_env="LORAFLEET_TEST_UNSET_TOKEN",
+                   adapters=[])
     serve.run(build_fleet(args, {"num_replicas": 1, "ray_actor_options": {"num_cpus": 1}}),
               name="lorafleet-noadmin", route_prefix="/noadmin")
     try:
@@ -243,5 +247,16 @@ def test_admin_api_is_off_without_a_configured_token(ray_cluster, fleet):
         assert "LORAFLEET_TEST_UNSET_TOKEN" in reply.json()["error"]["message"]
         models = httpx.get(f"{BASE}/noadmin/v1/models", timeout=30).json()
         assert [m["id"] for m in models["data"]] == ["demo"]
+
+        def one(_):
+            return httpx.post(f"{BASE}/noadmin/v1/completions", timeout=120,
+                              json={"model": "demo", "prompt": "load", "max_tokens": 64, "temperature": 0})
+
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            replies = list(pool.map(one, range(16)))
+        statuses = [r.status_code for r in replies]
+        assert 200 in statuses and 429 in statuses, statuses
+        limited = next(r for r in replies if r.status_code == 429)
+        assert limited.headers["retry-after"] == "1" and limited.json()["error"]["type"] == "rate_limit_error"
     finally:
         serve.delete("lorafleet-noadmin")
