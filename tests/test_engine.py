@@ -168,3 +168,25 @@ def test_live_settings_apply_only_when_all_are_valid(engine):
     finally:
         engine.apply_settings({"eviction_policy": before[0], "max_batch_size": before[1],
                                "max_tokens_limit": before[2]})
+
+
+def test_unregister_timeout_fails_in_flight_requests_clearly(engine, demo_assets):
+    from engine.errors import AdapterUnregisteredError
+
+    engine.register_adapter("slow", str(demo_assets.adapters["demo-4"]))
+    errors = []
+
+    def run():
+        try:
+            engine.generate_blocking(GenerateRequest(adapter="slow", prompt="long", max_tokens=64))
+        except AdapterUnregisteredError as exc:
+            errors.append(exc)
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    while engine.inflight[engine.adapters["slow"]] == 0:
+        time.sleep(0.001)
+    uid = engine.unregister_adapter("slow", timeout_s=0.0)
+    worker.join(timeout=30)
+    assert errors and "unregistered" in str(errors[0])
+    assert not engine.pool.is_resident(uid) and engine.inflight[uid] == 0

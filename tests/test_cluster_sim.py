@@ -1,0 +1,137 @@
+"""The fleet simulator: deterministic, the pool's own eviction path, a faithful view and directory feed."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from benchmarks import cluster_sim
+from benchmarks.policies import replay_online
+from benchmarks.sim import ROUTERS, SimConfig, Simulator, run_sim
+from benchmarks.sim.routers import OverlayRouterView
+from benchmarks.traces import Popularity, adapter_uid, make_trace
+from routing.view import RouterView
+
+
+def small_trace(n: int = 600, adapters: int = 40, replicas: int = 4, seed: int = 3, **kw):
+    # about 40% of the fleet's batch capacity (16 running per replica, ~6.5 s per request)
+    return make_trace(n, adapters, Popularity("power", 0.3), rate=replicas * 16 * 0.4 / 6.5, cv=2.0, seed=seed, **kw)
+
+
+def comparable(result) -> dict:
+    d = dataclasses.asdict(result)
+    d.pop("wall_seconds")
+    return d
+
+
+@pytest.mark.parametrize("router", sorted(ROUTERS))
+def test_deterministic_for_a_seed(router: str) -> None:
+    trace = small_trace()
+    config = SimConfig(replicas=4, router=router, seed=5)
+    a, b = run_sim(trace, config), run_sim(trace, config)
+    assert comparable(a) == comparable(b)
+    assert a.requests == len(trace) - int(len(trace) * config.warmup_fraction)
+
+
+def test_different_seed_changes_the_trace_and_the_result() -> None:
+    config = SimConfig(replicas=4, router="multiplex")
+    assert comparable(run_sim(small_trace(seed=1), config)) != comparable(run_sim(small_trace(seed=2), config))
+
+
+@pytest.mark.parametrize("router", ["affinity", "multiplex", "least_loaded"])
+@pytest.mark.parametrize("slots", [1, 4])
+def test_one_replica_one_request_at_a_time_matches_the_pool_benchmarks_lru(router: str, slots: int) -> None:
+    """Same adapter sequence, same code path: hit ratio = 1 - replay_online(..., "lru") / n."""
+    n = 500
+    base = make_trace(n, 30, Popularity("power", 0.3), seed=11)
+    # 100 s apart: every request (at most 512 * 25 ms decode + a 0.5 s load) ends before the next
+    trace = dataclasses.replace(base, arrivals=np.arange(n) * 100.0)
+    result = run_sim(trace, SimConfig(replicas=1, router=router, slots=slots, warmup_fraction=0.0))
+    misses = replay_online(trace.uids(), slots, "lru")
+    assert result.loads == result.loads_total == misses
+    assert result.hit_ratio == pytest.approx(1 - misses / n)
+    assert result.imbalance == 1.0
+
+
+def test_cold_fleet_loads_every_distinct_adapter_at_least_once() -> None:
+    trace = small_trace(n=400, adapters=60)
+    for router in ROUTERS:
+        sim = Simulator(trace, SimConfig(replicas=4, router=router, warmup_fraction=0.0))
+        result = sim.run()
+        assert result.loads == result.loads_total  # every load is attributed to the request that caused it
+        assert result.loads >= len(np.unique(trace.adapters))
+        assert 0.0 <= result.hit_ratio <= 1.0
+        assert result.disk_loads <= result.loads
+        assert all(r.arrival <= r.t_first <= r.t_done for r in sim.requests)
+        assert sum(r.served for r in sim.replicas) == len(trace)
+        assert not sim.ongoing.any()
+        for replica in sim.replicas:  # the pool is idle and within its slots
+            assert replica.pool.active == frozenset()
+            assert len(replica.pool.uid_to_slot) <= replica.pool.slots
+
+
+def test_directory_ends_equal_to_the_pools_after_the_lag() -> None:
+    sim = Simulator(small_trace(), SimConfig(replicas=4, router="affinity", lag_s=0.5))
+    sim.run()
+    sim.now += 10.0
+    sim._sync()
+    for replica in sim.replicas:
+        state = sim.directory.replicas[replica.rid]
+        assert state.resident == replica.pool.snapshot().resident
+        assert state.seq == replica.pool.snapshot().seq
+        assert sim.router.view.states[replica.rid]["resident"] == state.resident
+
+
+def test_stale_view_costs_loads_not_correctness() -> None:
+    trace = small_trace(n=800)
+    fresh = run_sim(trace, SimConfig(replicas=4, router="affinity", lag_s=0.01))
+    stale = run_sim(trace, SimConfig(replicas=4, router="affinity", lag_s=5.0))
+    assert fresh.requests == stale.requests
+    assert fresh.loads != stale.loads or fresh.ttft_p99 != stale.ttft_p99
+
+
+def test_overlay_view_gives_the_stock_views_holders() -> None:
+    rng = np.random.default_rng(0)
+    now = [0.0]
+    ids = tuple(f"replica-{i:04d}" for i in range(6))
+    stock, overlay = RouterView(ttl_s=1.0, clock=lambda: now[0]), OverlayRouterView(ttl_s=1.0, clock=lambda: now[0])
+    names = [adapter_uid(i) for i in range(12)]
+    for version in range(1, 60):
+        now[0] += float(rng.uniform(0.0, 0.4))
+        if version % 5 == 1:
+            full = {r: {"replica_id": r, "seq": version, "free_slots": int(rng.integers(0, 2)),
+                        "resident": {names[int(a)]: s for s, a in enumerate(rng.choice(12, 3, replace=False))}}
+                    for r in ids[: int(rng.integers(3, 7))]}
+            reply = {"epoch": "e", "version": version, "full": full}
+            stock.apply_directory_reply(reply)
+            overlay.apply_directory_reply(reply)
+        for _ in range(int(rng.integers(0, 4))):
+            a, r = names[int(rng.integers(12))], ids[int(rng.integers(6))]
+            stock.record_decision(a, r)
+            overlay.record_decision(a, r)
+        s, o = stock.fleet_view(ids), overlay.fleet_view(ids)
+        for name in names:  # lookups first, in a random order: the overlay prunes lazily
+            assert set(s.holders.get(name, ())) == set(o.holders.get(name, ()))
+        assert {k: set(v) for k, v in s.holders.items()} == {k: set(v) for k, v in o.holders.items()}
+        assert (s.free_slots == o.free_slots).all() and s.replica_ids == o.replica_ids
+
+
+def test_overlay_and_stock_view_simulate_identically() -> None:
+    trace = small_trace(n=500)
+    a = run_sim(trace, SimConfig(replicas=4, router="affinity", stock_view=True))
+    b = run_sim(trace, SimConfig(replicas=4, router="affinity", stock_view=False))
+    assert dataclasses.replace(a, wall_seconds=0, settings={}) == dataclasses.replace(b, wall_seconds=0, settings={})
+
+
+def test_benchmark_helpers_on_a_tiny_plan() -> None:
+    setting = cluster_sim.Setting("fleet", replicas=4, adapters=40, requests=300)
+    rows = [cluster_sim.run_task((setting, r)) for r in cluster_sim.ROUTER_ORDER]
+    table, counts = cluster_sim.wins_table(rows)
+    assert len(table) == 1 and table[0]["setting"] == "4 replicas x 40 adapters"
+    assert sum(c["loads"] for c in counts.values()) >= 1
+    md = cluster_sim.markdown_wins(table, counts, cluster_sim.affinity_vs_least_loaded(rows))
+    assert md.startswith("| setting |") and "| affinity |" in md
+    plan = cluster_sim.make_plan(quick=True, seed=0)
+    assert {r for _, r in plan.tasks} == set(cluster_sim.ROUTER_ORDER)
