@@ -8,6 +8,7 @@ returns this deployment's handle, whose ``generate`` / ``generate_stream`` /
 
 import asyncio
 import hmac
+import json
 import logging
 import os
 from typing import AsyncIterator, Optional
@@ -339,51 +340,49 @@ class LoRAFleetIngress:
 
     # ------------------------------------------------------------------ admin routes
 
-    @api.get("/v1/adapters")
-    async def admin_list(self, request: Request):
+    async def _admin_call(self, request: Request, action, status: int = 200):
+        """Check the bearer token, run ``action()``, and turn any error into OpenAI's error body."""
         try:
             self._admin(request)
-            return await self.list_adapters()
+            return JSONResponse(await action(), status_code=status)
         except Exception as exc:
             return error_response(exc)
+
+    @staticmethod
+    async def _body(request: Request, model: type[BaseModel]) -> BaseModel:
+        raw = await request.body()
+        try:
+            return model(**(json.loads(raw) if raw else {}))
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            field = ".".join(str(p) for p in first["loc"]) or None
+            raise HTTPError(400, f"invalid field {field}: {first['msg']}", param=field) from None
+        except (json.JSONDecodeError, TypeError):
+            raise HTTPError(400, "the request body must be a JSON object") from None
+
+    @api.get("/v1/adapters")
+    async def admin_list(self, request: Request):
+        return await self._admin_call(request, self.list_adapters)
 
     @api.post("/v1/adapters")
     async def admin_register(self, request: Request):
-        try:
-            self._admin(request)
-            try:
-                body = AdminRegisterBody(**await request.json())
-            except ValidationError as exc:
-                first = exc.errors()[0]
-                field = ".".join(str(p) for p in first["loc"]) or None
-                raise HTTPError(400, f"invalid field {field}: {first['msg']}", param=field) from None
-            entry = await self.register_adapter(body.name, body.source, body.revision, body.pinned, body.replicas)
-            return JSONResponse(entry, status_code=201)
-        except Exception as exc:
-            return error_response(exc)
+        async def register():
+            body = await self._body(request, AdminRegisterBody)
+            return await self.register_adapter(body.name, body.source, body.revision, body.pinned, body.replicas)
+
+        return await self._admin_call(request, register, status=201)
 
     @api.delete("/v1/adapters/{name}")
     async def admin_unregister(self, name: str, request: Request):
-        try:
-            self._admin(request)
-            return await self.unregister_adapter(name)
-        except Exception as exc:
-            return error_response(exc)
+        return await self._admin_call(request, lambda: self.unregister_adapter(name))
 
     @api.post("/v1/adapters/{name}/pin")
     async def admin_pin(self, name: str, request: Request):
-        try:
-            self._admin(request)
-            raw = await request.body()
-            body = AdminPinBody(**(await request.json() if raw else {}))
-            return await self.pin_adapter(name, body.replicas)
-        except Exception as exc:
-            return error_response(exc)
+        async def pin():
+            return await self.pin_adapter(name, (await self._body(request, AdminPinBody)).replicas)
+
+        return await self._admin_call(request, pin)
 
     @api.post("/v1/adapters/{name}/unpin")
     async def admin_unpin(self, name: str, request: Request):
-        try:
-            self._admin(request)
-            return await self.unpin_adapter(name)
-        except Exception as exc:
-            return error_response(exc)
+        return await self._admin_call(request, lambda: self.unpin_adapter(name))
