@@ -113,3 +113,36 @@ def test_greedy_generation_is_token_identical_to_peft_generate(setup):
         if eos in expected:
             expected = expected[: expected.index(eos) + 1]
         assert result.token_ids == expected, name
+
+
+def test_mistral_sliding_window_matches_transformers(tmp_path):
+    """Attention beyond the window is masked exactly as transformers does (prefill and decode)."""
+    from engine.demo import write_tiny_model
+
+    folder = write_tiny_model(tmp_path / "mistral", "mistral")
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    model.config.sliding_window = 4
+    model.save_pretrained(tmp_path / "windowed")
+    for f in folder.iterdir():
+        if f.name.startswith(("tokenizer", "special", "chat")):
+            (tmp_path / "windowed" / f.name).write_bytes(f.read_bytes())
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path / "windowed").eval()
+    engine = LoRAEngine(EngineConfig(base_model=str(tmp_path / "windowed"), max_loras_per_batch=2, max_lora_rank=8))
+    try:
+        ids = PROMPTS[0]
+        (ours,) = our_logits(engine, [(None, ids)])
+        with torch.no_grad():
+            expected = ref(torch.tensor([ids])).logits[0]
+            full_context = AutoModelForCausalLM.from_pretrained(folder).eval()(torch.tensor([ids])).logits[0]
+        assert (ours - expected).abs().max().item() <= 1e-4
+        assert (expected - full_context).abs().max().item() > 1e-2  # the window really changes the result
+        result = engine.generate_blocking(GenerateRequest(token_ids=ids, max_tokens=10))
+        with torch.no_grad():
+            out = ref.generate(input_ids=torch.tensor([ids]), max_new_tokens=10, do_sample=False, pad_token_id=0)
+        expected_tokens = out[0, len(ids):].tolist()
+        eos = engine.tokenizer.eos_token_id
+        if eos in expected_tokens:
+            expected_tokens = expected_tokens[: expected_tokens.index(eos) + 1]
+        assert result.token_ids == expected_tokens
+    finally:
+        engine.shutdown()
