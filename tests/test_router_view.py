@@ -1,0 +1,74 @@
+"""RouterView: directory deltas, routing-stats reconciliation, optimistic decisions."""
+
+from routing.view import RouterView, adapter_name, replica_loads
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def state(rid, seq, resident, free=1, **extra):
+    return {"replica_id": rid, "seq": seq, "resident": resident, "free_slots": free, "pinned": [], **extra}
+
+
+def test_full_then_deltas_then_removal():
+    v = RouterView()
+    v.apply_directory_reply({"epoch": "e1", "version": 3, "full": {"r0": state("r0", 2, {"a@1": 0})}})
+    ids = ("r0", "r1")
+    assert v.fleet_view(ids).holders == {"a": {0}}
+    v.apply_directory_reply({"epoch": "e1", "version": 5, "changes": {"r1": state("r1", 1, {"b@2": 0})}})
+    assert v.fleet_view(ids).holders == {"a": {0}, "b": {1}}
+    v.apply_directory_reply({"epoch": "e1", "version": 6, "changes": {"r0": {"replica_id": "r0", "removed": True}}})
+    assert v.fleet_view(ids).holders == {"b": {1}} and v.version == 6
+
+
+def test_a_new_epoch_starts_over():
+    v = RouterView()
+    v.apply_directory_reply({"epoch": "e1", "version": 9, "full": {"r0": state("r0", 2, {"a@1": 0})}})
+    v.apply_directory_reply({"epoch": "e2", "version": 2, "changes": {}})
+    assert v.version == -1 and v.states == {}  # ask again from scratch
+
+
+def test_routing_stats_win_only_when_newer():
+    v = RouterView()
+    v.apply_directory_reply({"epoch": "e", "version": 1, "full": {"r0": state("r0", 5, {"a@1": 0})}})
+    v.apply_routing_stats("r0", {"seq": 4, "resident": {}, "free_slots": 3})
+    assert v.fleet_view(("r0",)).holders == {"a": {0}}
+    v.apply_routing_stats("r0", {"seq": 7, "resident": {"c@3": 1}, "free_slots": 0})
+    view = v.fleet_view(("r0",))
+    assert view.holders == {"c": {0}} and not view.free_slots[0]
+    v.apply_routing_stats("r0", {})  # a replica that has not reported yet
+    assert v.fleet_view(("r0",)).holders == {"c": {0}}
+
+
+def test_optimistic_decisions_expire():
+    clock = Clock()
+    v = RouterView(ttl_s=2.0, clock=clock)
+    v.record_decision("x", "r1")
+    assert v.fleet_view(("r0", "r1")).holders.get("x") == {1}
+    clock.now += 3
+    assert "x" not in v.fleet_view(("r0", "r1")).holders
+
+
+def test_host_cached_and_loading_adapters_are_warm_and_unknown_replicas_are_free():
+    v = RouterView()
+    v.apply_directory_reply({"epoch": "e", "version": 1, "full": {
+        "r0": state("r0", 1, {}, free=0, host_cached=["h@1"], loading=["l@2"])}})
+    view = v.fleet_view(("r0", "r9"))
+    assert view.warm == {"h": {0}, "l": {0}}
+    assert list(view.free_slots) == [False, True]
+
+
+def test_loads_prefer_probed_queue_lengths():
+    v = RouterView()
+    v.apply_directory_reply({"epoch": "e", "version": 1, "full": {"r0": state("r0", 1, {}, queue_len=4)}})
+    loads = replica_loads(["r0", "r1", "r2"], {"r0": None, "r1": 2, "r2": None}, {"r2": 5}, v)
+    assert list(loads) == [4, 2, 5]
+
+
+def test_adapter_name_strips_the_registration_id():
+    assert adapter_name("my-lora@0a1b2c3d") == "my-lora" and adapter_name("plain") == "plain"

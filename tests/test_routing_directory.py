@@ -1,0 +1,108 @@
+"""AdapterDirectory: ordered, idempotent event application; resync on gaps; deltas; expiry."""
+
+from pool.events import PoolEvent
+from routing.directory import AdapterDirectory
+
+from pool_helpers import make_pool
+
+
+def ev(kind, uid, slot, seq, replica="r0"):
+    return PoolEvent(kind, uid, slot, replica, seq, 0.0)
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_events_apply_in_order_and_duplicates_are_ignored():
+    d = AdapterDirectory()
+    assert d.apply_events("r0", [ev("load", "a", 0, 1), ev("load", "b", 1, 2), ev("pin", "a", 0, 3)])
+    assert d.apply_events("r0", [ev("load", "b", 1, 2), ev("evict", "b", 1, 4)])  # seq 2 again: ignored
+    state = d.replicas["r0"]
+    assert state.resident == {"a": 0} and state.pinned == {"a"} and state.seq == 4
+    assert d.replicas_holding("a") == {"r0"} and d.replicas_holding("b") == set()
+    assert d.adapter_counts["b"] == {"load": 1, "evict": 1}
+
+
+def test_out_of_order_batches_are_sorted_by_seq():
+    d = AdapterDirectory()
+    assert d.apply_events("r0", [ev("evict", "a", 0, 2), ev("load", "a", 0, 1)])
+    assert d.replicas["r0"].resident == {}
+
+
+def test_a_gap_asks_for_a_snapshot_and_the_snapshot_repairs_the_view():
+    pool, _ = make_pool(slots=3)
+    events = []
+    pool.subscribe(events.append)
+    pool.prepare_lora_batch({"A", "B"})
+    pool.prepare_lora_batch({"C"})
+    d = AdapterDirectory()
+    assert not d.apply_events("r0", [events[0], events[2]])  # event 2 lost
+    assert d.needs_resync("r0")
+    assert not d.apply_events("r0", [events[1]])  # still waiting for the snapshot
+    d.apply_snapshot(pool.snapshot())
+    assert not d.needs_resync("r0")
+    assert d.replicas["r0"].resident == pool.snapshot().resident
+    assert d.replicas["r0"].seq == pool.snapshot().seq
+
+
+def test_view_built_from_a_real_pool_equals_the_pool_after_random_work():
+    pool, _ = make_pool(slots=3)
+    events = []
+    pool.subscribe(events.append)
+    for batch in [{"A"}, {"B", None}, {"C", "D"}, {"E"}, {"A", "F"}]:
+        pool.prepare_lora_batch(batch)
+    pool.release_batch()
+    pool.pin("A")
+    pool.remove("F")
+    d = AdapterDirectory()
+    assert d.apply_events("r0", events)
+    snap = pool.snapshot()
+    assert d.replicas["r0"].resident == snap.resident and d.replicas["r0"].pinned == set(snap.pinned)
+
+
+def test_an_older_snapshot_does_not_roll_back_newer_events():
+    d = AdapterDirectory()
+    d.apply_events("r0", [ev("load", "a", 0, 1), ev("load", "b", 1, 2)])
+    d.apply_snapshot({"replica_id": "r0", "seq": 1, "slots": 2, "resident": {"a": 0}, "pinned": []})
+    assert d.replicas["r0"].resident == {"a": 0, "b": 1}
+
+
+def test_deltas_are_replica_granular_and_versioned():
+    d = AdapterDirectory()
+    d.apply_events("r0", [ev("load", "a", 0, 1)])
+    v1 = d.version
+    d.apply_events("r1", [ev("load", "b", 0, 1, "r1")])
+    d.heartbeat("r0", queue_len=3)
+    version, changes = d.changes_since(v1)
+    assert version == d.version and set(changes) == {"r0", "r1"}
+    assert changes["r0"]["queue_len"] == 3 and changes["r1"]["resident"] == {"b": 0}
+    assert d.changes_since(version) == (version, {})
+    assert d.changes_since(version + 10)[1] is None  # from before a restart: take a full view
+    d.forget_replica("r1")
+    _, changes = d.changes_since(version)
+    assert changes == {"r1": {"replica_id": "r1", "removed": True}}
+
+
+def test_a_log_that_no_longer_reaches_back_asks_for_a_full_view():
+    d = AdapterDirectory(max_log=2)
+    for seq in range(1, 6):
+        d.apply_events("r0", [ev("load", f"u{seq}", 0, seq)])
+    assert d.changes_since(0)[1] is None
+    assert d.full_view()["r0"]["seq"] == 5
+
+
+def test_silent_replicas_are_forgotten():
+    clock = Clock()
+    d = AdapterDirectory(replica_timeout_s=10, clock=clock)
+    d.apply_events("r0", [ev("load", "a", 0, 1)])
+    d.apply_events("r1", [ev("load", "a", 0, 1, "r1")])
+    clock.now = 8
+    d.heartbeat("r1")
+    clock.now = 12
+    assert d.expire() == ["r0"]
+    assert set(d.replicas) == {"r1"} and d.replicas_holding("a") == {"r1"}

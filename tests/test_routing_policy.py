@@ -1,0 +1,107 @@
+"""The routing decision: affinity, bounded-load rendezvous placement and spill, base, determinism."""
+
+import numpy as np
+import pytest
+
+from routing.hashing import rendezvous_order, stable_hash
+from routing.policy import FleetView, RoutingConfig, choose_replicas, load_bound
+
+IDS = tuple(f"replica-{i}" for i in range(8))
+
+
+def view(holders=None, warm=None, free=None):
+    return FleetView(IDS, holders=holders or {}, warm=warm or {},
+                     free_slots=np.array(free if free is not None else [False] * len(IDS)))
+
+
+def test_holder_under_the_bound_wins():
+    loads = np.zeros(8)
+    decision = choose_replicas("a", view({"a": {2, 5}}), loads)
+    assert decision.kind == "affinity" and set(decision.tiers[0]) == {2, 5}
+
+
+def test_least_loaded_holder_first():
+    loads = np.array([0, 0, 2, 0, 0, 1, 0, 0], dtype=float)
+    decision = choose_replicas("a", view({"a": {2, 5}}), loads, RoutingConfig(load_bound_epsilon=10))
+    assert decision.tiers[0] == [5, 2]
+
+
+def test_cold_adapter_goes_to_its_rendezvous_replica():
+    decision = choose_replicas("cold", view(), np.zeros(8), RoutingConfig(placement_lookahead=1))
+    assert decision.kind == "placement"
+    assert IDS[decision.tiers[0][0]] == rendezvous_order("cold", list(IDS))[0]
+
+
+def test_overloaded_holders_spill_to_the_next_rendezvous_replica():
+    order = [IDS.index(r) for r in rendezvous_order("hot", list(IDS))]
+    loads = np.zeros(8)
+    loads[order[0]] = 10  # the hot adapter's holder is far above the mean
+    decision = choose_replicas("hot", view({"hot": {order[0]}}), loads, RoutingConfig(placement_lookahead=1))
+    assert decision.kind == "spill"
+    assert decision.tiers[0] == [order[1]]  # the next in its hash order: replicas of a hot adapter stay few
+    assert decision.tiers[1] == [order[0]]  # the holder stays as a fallback tier
+
+
+def test_placement_prefers_a_free_slot_or_host_copy_within_the_lookahead():
+    order = [IDS.index(r) for r in rendezvous_order("x", list(IDS))]
+    free = [False] * 8
+    free[order[1]] = True
+    decision = choose_replicas("x", view(free=free), np.zeros(8), RoutingConfig(placement_lookahead=2))
+    assert decision.tiers[0] == [order[1]]
+    warm = choose_replicas("x", view(warm={"x": {order[1]}}), np.zeros(8), RoutingConfig(placement_lookahead=2))
+    assert warm.tiers[0] == [order[1]]
+    beyond = choose_replicas("x", view(warm={"x": {order[3]}}), np.zeros(8), RoutingConfig(placement_lookahead=2))
+    assert beyond.tiers[0] == [order[0]]
+
+
+def test_base_model_requests_go_least_loaded():
+    loads = np.array([3, 1, 2, 0, 5, 4, 6, 7], dtype=float)
+    decision = choose_replicas(None, view(), loads)
+    assert decision.kind == "base" and decision.tiers[0] == [3, 1]
+
+
+def test_two_routers_with_the_same_view_agree():
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        loads = rng.integers(0, 6, 8).astype(float)
+        holders = {f"a{i}": set(rng.choice(8, 2, replace=False).tolist()) for i in range(5)}
+        adapter = f"a{rng.integers(0, 8)}"
+        first = choose_replicas(adapter, FleetView(IDS, holders=holders), loads)
+        second = choose_replicas(adapter, FleetView(tuple(IDS), holders=dict(holders)), loads.copy())
+        assert first.tiers == second.tiers and first.kind == second.kind
+
+
+def test_first_choice_always_respects_the_load_bound():
+    rng = np.random.default_rng(1)
+    for _ in range(300):
+        loads = rng.integers(0, 10, 8).astype(float)
+        decision = choose_replicas(f"a{rng.integers(0, 50)}", view({"a1": {0, 1}}), loads)
+        bound = load_bound(loads, 0.25)
+        assert all(loads[i] + 1 <= bound for i in decision.tiers[0])
+
+
+def test_rendezvous_is_stable_when_replicas_join():
+    before = rendezvous_order("adapter-7", [f"r{i}" for i in range(10)])
+    after = rendezvous_order("adapter-7", [f"r{i}" for i in range(11)])
+    assert [r for r in after if r != "r10"] == before  # only the newcomer can move ahead
+
+
+def test_stable_hash_is_process_independent():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", "from routing.hashing import stable_hash; print(stable_hash('x'))"],
+                         capture_output=True, text=True, check=True).stdout.strip()
+    assert int(out) == stable_hash("x")
+
+
+def test_empty_fleet():
+    assert choose_replicas("a", FleetView(()), np.zeros(0)).tiers == []
+
+
+@pytest.mark.parametrize("n", [1, 2, 64, 1024])
+def test_every_tier_index_is_valid(n):
+    ids = tuple(f"r{i}" for i in range(n))
+    decision = choose_replicas("a", FleetView(ids, holders={"a": {0}}), np.arange(n, dtype=float))
+    flat = [i for t in decision.tiers for i in t]
+    assert flat and all(0 <= i < n for i in flat) and len(flat) == len(set(flat))
