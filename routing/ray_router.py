@@ -55,12 +55,13 @@ class _RouterMetrics:
 class AdapterAffinityRouter(FIFOMixin, RequestRouter):
     def initialize_state(self, load_bound_epsilon: float = 0.25, placement_lookahead: int = 2,
                          optimistic_ttl_s: float = 3.0, directory_deployment: str = "AdapterDirectory",
-                         poll_timeout_s: float = 5.0, **_: object) -> None:
+                         poll_timeout_s: float = 5.0, min_poll_interval_s: float = 0.05, **_: object) -> None:
         self.routing_config = RoutingConfig(load_bound_epsilon=load_bound_epsilon,
                                             placement_lookahead=placement_lookahead)
         self.view = RouterView(ttl_s=optimistic_ttl_s)
         self.directory_deployment = directory_deployment
         self.poll_timeout_s = poll_timeout_s
+        self.min_poll_interval_s = min_poll_interval_s  # batches bursts of deltas: one view rebuild each
         self.decisions: Counter = Counter()  # affinity | placement | spill | base | full_spill
         self._inflight: Counter = Counter()
         self._first_choice: dict[str, tuple[Optional[str], set[str]]] = {}
@@ -86,7 +87,7 @@ class AdapterAffinityRouter(FIFOMixin, RequestRouter):
         if target is not None:
             return [[by_id[target]]] if target in by_id else []
         adapter = request_adapter(pending_request)
-        decision = choose_replicas(adapter, self.view.fleet_view(ids), loads, self.routing_config)
+        decision = choose_replicas(adapter, self.view.fleet_view(ids, adapter), loads, self.routing_config)
         if pending_request is not None:
             # every tier has been offered; if all are full, wait (back off) before asking again
             pending_request.routing_context.should_backoff = True
@@ -139,12 +140,14 @@ class AdapterAffinityRouter(FIFOMixin, RequestRouter):
             try:
                 if handle is None:
                     handle = serve.get_deployment_handle(self.directory_deployment, app_name=self.app_name)
+                started = time.monotonic()
                 reply = handle.get_changes.remote(version, self.poll_timeout_s).result(
                     timeout_s=self.poll_timeout_s + 10)
                 version = reply["version"] if "full" in reply or reply.get("epoch") == self._epoch_seen else -1
                 self._epoch_seen = reply.get("epoch")
                 loop.call_soon_threadsafe(self.view.apply_directory_reply, reply)
                 self.metrics.view_lag(0.0)
+                time.sleep(max(0.0, self.min_poll_interval_s - (time.monotonic() - started)))
             except Exception as exc:  # keep routing on what we have; try again shortly
                 log.debug("lorafleet router: directory poll failed: %r", exc)
                 last = self.view.last_update

@@ -4,13 +4,15 @@ No Ray here, so the simulator and unit tests drive the same code. Three sources,
 - directory deltas (fast path, replica-granular states with a ``seq``);
 - ``record_routing_stats`` snapshots from each replica (Serve-native; the newer ``seq`` wins,
   which repairs drift if deltas were lost);
-- this router's own recent decisions ("I just sent X to k"), trusted until ``ttl_s`` passes
-  or the replica reports a newer state.
+- this router's own recent decisions ("I just sent X to k"), trusted for ``ttl_s`` (by then
+  the replica's own report has confirmed or contradicted them).
 """
 
 from __future__ import annotations
 
+import copy
 import time
+from collections import ChainMap
 from typing import Callable, Iterable, Mapping, Optional
 
 import numpy as np
@@ -33,6 +35,7 @@ class RouterView:
         self._clock = clock
         self._optimistic: dict[str, dict[str, float]] = {}  # name -> replica -> expiry
         self._generation = 0
+        self._last_prune = float("-inf")
         self._cache_key: Optional[tuple] = None
         self._cache: Optional[FleetView] = None
 
@@ -73,16 +76,28 @@ class RouterView:
 
     # ------------------------------------------------------------------ output
 
-    def fleet_view(self, replica_ids: tuple[str, ...]) -> FleetView:
-        """The policy's input for these candidate replicas, cached until anything changes."""
+    def fleet_view(self, replica_ids: tuple[str, ...], adapter: Optional[str] = None) -> FleetView:
+        """The policy's input for these candidates: cached until the view changes, plus this
+        router's live decisions for ``adapter`` (the only adapter a decision looks up, so the
+        overlay is O(1) however many recent decisions there are)."""
         key = (replica_ids, self._generation)
         if key != self._cache_key:
             self._cache = self._build(replica_ids)
             self._cache_key = key
         view = self._cache
-        if self._optimistic:
-            view = self._with_optimistic(view)
-        return view
+        now = self._clock()
+        if now - self._last_prune >= self.ttl_s:  # bound memory: forget decisions nobody looks up
+            self._last_prune = now
+            self._optimistic = {a: t for a, t in self._optimistic.items() if max(t.values()) > now}
+        targets = self._optimistic.get(adapter) if adapter is not None else None
+        if not targets:
+            return view
+        extra = {view.index[r] for r, expiry in targets.items() if expiry > now and r in view.index}
+        if not extra:
+            return view
+        overlay = copy.copy(view)
+        overlay.holders = ChainMap({adapter: set(view.holders.get(adapter, ())) | extra}, view.holders)
+        return overlay
 
     def queue_len(self, replica_id: str) -> int:
         return int(self.states.get(replica_id, {}).get("queue_len", 0))
@@ -110,23 +125,6 @@ class RouterView:
                 warm.setdefault(adapter_name(uid), set()).add(i)
             free[i] = state.get("free_slots", 0) > 0
         return FleetView(replica_ids, holders=holders, warm=warm, free_slots=free)
-
-    def _with_optimistic(self, view: FleetView) -> FleetView:
-        now = self._clock()
-        holders = dict(view.holders)
-        for adapter, targets in list(self._optimistic.items()):
-            live = {r: t for r, t in targets.items() if t > now}
-            if not live:
-                del self._optimistic[adapter]
-                continue
-            self._optimistic[adapter] = live
-            extra = {view.index[r] for r in live if r in view.index}
-            if extra:
-                holders[adapter] = set(holders.get(adapter, ())) | extra
-        shallow = FleetView.__new__(FleetView)
-        shallow.__dict__.update(view.__dict__)
-        shallow.holders = holders
-        return shallow
 
 
 def replica_loads(replica_ids: Iterable[str], cached: Mapping[str, Optional[int]], inflight: Mapping[str, int],

@@ -10,7 +10,6 @@ import pytest
 from benchmarks import cluster_sim
 from benchmarks.policies import replay_online
 from benchmarks.sim import ROUTERS, SimConfig, Simulator, run_sim
-from benchmarks.sim.routers import OverlayRouterView
 from benchmarks.traces import Popularity, adapter_uid, make_trace
 from routing.view import RouterView
 
@@ -90,39 +89,6 @@ def test_stale_view_costs_loads_not_correctness() -> None:
     stale = run_sim(trace, SimConfig(replicas=4, router="affinity", lag_s=5.0))
     assert fresh.requests == stale.requests
     assert fresh.loads != stale.loads or fresh.ttft_p99 != stale.ttft_p99
-
-
-def test_overlay_view_gives_the_stock_views_holders() -> None:
-    rng = np.random.default_rng(0)
-    now = [0.0]
-    ids = tuple(f"replica-{i:04d}" for i in range(6))
-    stock, overlay = RouterView(ttl_s=1.0, clock=lambda: now[0]), OverlayRouterView(ttl_s=1.0, clock=lambda: now[0])
-    names = [adapter_uid(i) for i in range(12)]
-    for version in range(1, 60):
-        now[0] += float(rng.uniform(0.0, 0.4))
-        if version % 5 == 1:
-            full = {r: {"replica_id": r, "seq": version, "free_slots": int(rng.integers(0, 2)),
-                        "resident": {names[int(a)]: s for s, a in enumerate(rng.choice(12, 3, replace=False))}}
-                    for r in ids[: int(rng.integers(3, 7))]}
-            reply = {"epoch": "e", "version": version, "full": full}
-            stock.apply_directory_reply(reply)
-            overlay.apply_directory_reply(reply)
-        for _ in range(int(rng.integers(0, 4))):
-            a, r = names[int(rng.integers(12))], ids[int(rng.integers(6))]
-            stock.record_decision(a, r)
-            overlay.record_decision(a, r)
-        s, o = stock.fleet_view(ids), overlay.fleet_view(ids)
-        for name in names:  # lookups first, in a random order: the overlay prunes lazily
-            assert set(s.holders.get(name, ())) == set(o.holders.get(name, ()))
-        assert {k: set(v) for k, v in s.holders.items()} == {k: set(v) for k, v in o.holders.items()}
-        assert (s.free_slots == o.free_slots).all() and s.replica_ids == o.replica_ids
-
-
-def test_overlay_and_stock_view_simulate_identically() -> None:
-    trace = small_trace(n=500)
-    a = run_sim(trace, SimConfig(replicas=4, router="affinity", stock_view=True))
-    b = run_sim(trace, SimConfig(replicas=4, router="affinity", stock_view=False))
-    assert dataclasses.replace(a, wall_seconds=0, settings={}) == dataclasses.replace(b, wall_seconds=0, settings={})
 
 
 def test_benchmark_helpers_on_a_tiny_plan() -> None:

@@ -49,9 +49,10 @@ def test_optimistic_decisions_expire():
     clock = Clock()
     v = RouterView(ttl_s=2.0, clock=clock)
     v.record_decision("x", "r1")
-    assert v.fleet_view(("r0", "r1")).holders.get("x") == {1}
+    assert v.fleet_view(("r0", "r1"), "x").holders.get("x") == {1}
+    assert "x" not in v.fleet_view(("r0", "r1")).holders  # only the adapter being routed gets the overlay
     clock.now += 3
-    assert "x" not in v.fleet_view(("r0", "r1")).holders
+    assert "x" not in v.fleet_view(("r0", "r1"), "x").holders
 
 
 def test_host_cached_and_loading_adapters_are_warm_and_unknown_replicas_are_free():
@@ -72,3 +73,32 @@ def test_loads_prefer_probed_queue_lengths():
 
 def test_adapter_name_strips_the_registration_id():
     assert adapter_name("my-lora@0a1b2c3d") == "my-lora" and adapter_name("plain") == "plain"
+
+
+def test_the_optimistic_overlay_equals_an_eager_merge():
+    """fleet_view(ids, adapter) adds this router's live decisions for that adapter only, exactly."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    clock = Clock()
+    v = RouterView(ttl_s=1.0, clock=clock)
+    ids = tuple(f"r{i}" for i in range(6))
+    names = [f"a{i}" for i in range(12)]
+    decisions: list[tuple[str, str, float]] = []
+    for version in range(1, 80):
+        clock.now += float(rng.uniform(0.0, 0.4))
+        if version % 5 == 1:
+            full = {r: state(r, version, {f"{names[int(a)]}@x": s for s, a in
+                                          enumerate(rng.choice(12, 3, replace=False))}, free=int(rng.integers(0, 2)))
+                    for r in ids[: int(rng.integers(3, 7))]}
+            v.apply_directory_reply({"epoch": "e", "version": version, "full": full})
+        for _ in range(int(rng.integers(0, 4))):
+            a, r = names[int(rng.integers(12))], ids[int(rng.integers(6))]
+            v.record_decision(a, r)
+            decisions.append((a, r, clock.now + 1.0))
+        base = v.fleet_view(ids)
+        for name in names:
+            live = {ids.index(r) for a, r, t in decisions if a == name and t > clock.now}
+            got = v.fleet_view(ids, name).holders.get(name, set())
+            assert set(got) == set(base.holders.get(name, ())) | live
+        assert v.fleet_view(ids) is base  # no adapter: the cached view, untouched

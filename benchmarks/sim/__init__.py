@@ -1,0 +1,15 @@
+"""Discrete-event fleet simulator for ``benchmarks.cluster_sim``.
+
+The simulated replicas run the project's own code: ``pool.memory_pool.LoRAMemoryPool``
+(no tensors) for slots and eviction, ``engine.scheduler.Scheduler`` for admission,
+``routing.directory.AdapterDirectory`` fed by the pools' events after a lag, and
+``routing.view.RouterView`` + ``routing.policy.choose_replicas`` for "our" router. Costs
+(adapter load, prefill, decode) are modelled in ``costs``; the baseline routers in
+``routers`` are small implementations of other systems' logic, for comparison.
+"""
+
+from .costs import CostModel
+from .fleet import SimConfig, SimResult, Simulator, run_sim
+from .routers import ROUTERS
+
+__all__ = ["CostModel", "SimConfig", "SimResult", "Simulator", "run_sim", "ROUTERS"]

@@ -1,0 +1,358 @@
+"""The event loop: replicas with real pools and schedulers, a lagged directory feed, one router.
+
+Per replica: a ``LoRAMemoryPool`` with ``LoRAModelShape(num_layers=0, modules={})`` (slots,
+eviction, pins and events, no tensors), an ``engine.scheduler.Scheduler`` (iteration-level
+admission while the batch's adapter set validates, up to ``max_batch`` running), and a
+host tier (LRU by bytes) that decides whether a miss costs a host copy or a disk read.
+
+Time model. Admission happens whenever something changes on a replica (an arrival or a
+completion); that is the scheduler's "step" (its bypass limit counts these).
+An admission prepares the batch's slots through the pool (its own victims), then stalls
+the replica for the adapter loads plus the new requests' prefill; every request running
+on the replica is delayed by every stall that happens while it runs (a completion event
+that finds new stall time since it was scheduled is pushed back by it). The new
+requests' first token comes when the stall ends; then one token per
+``decode_s_per_token``.
+
+Routing. ``ongoing`` (running + waiting per replica) is what Serve's queue-length probes
+report, exact. A replica at ``max_ongoing`` (= ``max_batch``) is full; a router that finds
+nothing backs off (25 ms doubling to 0.5 s, like Serve) and retries.
+
+Staleness. Every pool event is buffered with its simulated time; every ``lag_s`` the
+events at least ``lag_s`` old go to a real ``AdapterDirectory`` in one batch, and the
+router's ``RouterView`` takes the directory's ``changes_since`` delta, so a router sees an
+event between ``lag_s`` and ``2 * lag_s`` after it happened.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections import OrderedDict, deque
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+
+from engine.scheduler import Scheduler
+from pool.adapter import AdapterConfig, LoRAAdapterWeights
+from pool.memory_pool import LoRAMemoryPool, batch_order
+from pool.shapes import LoRAModelShape
+from routing.directory import AdapterDirectory
+
+from ..traces import Trace, adapter_uid
+from .costs import CostModel
+
+_RETRY, _DONE, _SYNC = 1, 2, 3
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    replicas: int = 8
+    router: str = "affinity"
+    slots: int = 8                  # max_loras_per_batch
+    max_batch: int = 16             # running requests per replica = max_ongoing_requests
+    max_lora_rank: int = 64
+    eviction_policy: str = "lru"
+    lag_s: float = 0.1              # pool event -> router view
+    load_bound_epsilon: float = 0.25
+    placement_lookahead: int = 2
+    optimistic_ttl_s: float = 3.0   # the router's default
+    multiplex_timeout_s: float = 1.0  # Serve's RAY_SERVE_MULTIPLEXED_MODEL_ID_MATCHING_TIMEOUT_S (x U(1, 2))
+    backoff_initial_s: float = 0.025
+    backoff_max_s: float = 0.5
+    warmup_fraction: float = 0.25   # requests (by arrival) left out of the statistics
+    max_bypass_steps: int = 16
+    seed: int = 0
+    costs: CostModel = field(default_factory=CostModel)
+
+
+class SimRequest:
+    __slots__ = ("i", "uid", "arrival", "in_len", "out_len", "rank", "blocked_steps", "attempt", "replica",
+                 "t_dispatch", "t_admit", "t_first", "t_done", "stall_seen", "loaded", "load_s", "disk", "mux_start", "mux_tried_first",
+                 "mux_tried_fewest")
+
+    def __init__(self, i: int, uid: str, arrival: float, in_len: int, out_len: int, rank: int):
+        self.i, self.uid, self.arrival, self.in_len, self.out_len, self.rank = i, uid, arrival, in_len, out_len, rank
+        self.blocked_steps = 0
+        self.attempt = 0
+        self.replica = -1
+        self.t_dispatch = self.t_admit = self.t_first = self.t_done = self.stall_seen = 0.0
+        self.loaded = self.disk = False
+        self.load_s = 0.0
+        self.mux_start: Optional[float] = None
+        self.mux_tried_first = self.mux_tried_fewest = False
+
+
+class HostTier:
+    """LRU by bytes, as ``pool.host_cache.HostAdapterCache`` (which needs real tensors to size entries)."""
+
+    def __init__(self, budget: float):
+        self.budget, self.used = budget, 0.0
+        self.entries: OrderedDict[str, float] = OrderedDict()
+
+    def fetch(self, uid: str, nbytes: float) -> bool:
+        """Whether ``uid`` came from the host tier; a disk read caches it (evicting LRU)."""
+        if uid in self.entries:
+            self.entries.move_to_end(uid)
+            return True
+        if nbytes <= self.budget:
+            while self.entries and self.used + nbytes > self.budget:
+                self.used -= self.entries.popitem(last=False)[1]
+            self.entries[uid] = nbytes
+            self.used += nbytes
+        return False
+
+
+class SimReplica:
+    __slots__ = ("idx", "rid", "pool", "sched", "host", "stall_total", "stall_end", "served", "load_s")
+
+    def __init__(self, idx: int, rid: str, config: SimConfig, fetch, listener):
+        self.idx, self.rid = idx, rid
+        self.pool = LoRAMemoryPool(LoRAModelShape(num_layers=0, modules={}), config.slots, config.max_lora_rank,
+                                   fetch, eviction_policy=config.eviction_policy, replica_id=rid)
+        if listener is not None:
+            self.pool.subscribe(listener)
+        pool = self.pool
+        self.sched: Scheduler[SimRequest] = Scheduler(pool.validate_lora_batch, lambda u: u in pool.pinned,
+                                                      config.max_batch, config.max_bypass_steps)
+        self.host = HostTier(config.costs.host_cache_bytes)
+        self.stall_total = 0.0
+        self.stall_end = 0.0
+        self.served = 0
+        self.load_s = 0.0
+
+
+@dataclass
+class SimResult:
+    router: str
+    replicas: int
+    adapters: int
+    requests: int            # measured (after warm-up)
+    loads: int               # adapter loads caused by measured requests
+    loads_total: int         # every load in the run (pool counters), warm-up included
+    hit_ratio: float         # measured requests whose adapter was resident (or loaded for an earlier one)
+    ttft_p50: float
+    ttft_p99: float
+    e2e_p50: float
+    e2e_p99: float
+    queue_p99: float         # arrival -> admitted into a batch (router backoff + waiting for a slot), p99
+    slot_waited: float       # share of measured requests that waited at the replica for an adapter slot
+    imbalance: float         # max / mean measured requests per replica
+    load_seconds: float      # modelled seconds of replica stall spent loading adapters (measured)
+    disk_loads: int
+    retries: int
+    evictions: int
+    kinds: dict[str, int]
+    sim_seconds: float
+    wall_seconds: float
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    def row(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("kinds")
+        d.pop("settings")
+        d["loads_per_req"] = self.loads / max(1, self.requests)
+        return d
+
+
+class Simulator:
+    def __init__(self, trace: Trace, config: SimConfig):
+        from .routers import ROUTERS
+
+        if config.router not in ROUTERS:
+            raise ValueError(f"unknown router {config.router!r}; choose one of {sorted(ROUTERS)}")
+        self.trace, self.config = trace, config
+        self.now = 0.0
+        self.ids = tuple(f"replica-{i:04d}" for i in range(config.replicas))  # sorted, as the Serve router sorts
+        self.max_ongoing = config.max_batch
+        self.ongoing = np.zeros(config.replicas, dtype=np.float64)
+        self.router = ROUTERS[config.router](self)
+        self.ranks = {adapter_uid(a): int(r) for a, r in enumerate(trace.ranks.tolist())}
+        self._configs: dict[int, AdapterConfig] = {}
+        self.pending_events: deque = deque()
+        self.directory: Optional[AdapterDirectory] = None
+        listener = None
+        if self.router.uses_view:
+            self.directory = AdapterDirectory(clock=lambda: self.now, replica_timeout_s=float("inf"))
+            listener = self._on_pool_event
+        self.replicas = [SimReplica(i, rid, config, self._fetch, listener) for i, rid in enumerate(self.ids)]
+        self.view_version = -1
+        self.heap: list = []
+        self._seq = 0
+        self.retries = 0
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _fetch(self, uid: str) -> LoRAAdapterWeights:
+        rank = self.ranks[uid]
+        cfg = self._configs.get(rank)
+        if cfg is None:
+            cfg = self._configs[rank] = AdapterConfig(rank=rank, alpha=2.0 * rank, use_rslora=False,
+                                                      target_modules=())
+        return LoRAAdapterWeights(name=uid, config=cfg, a={}, bt={})
+
+    def _on_pool_event(self, event) -> None:
+        self.pending_events.append((self.now, event))
+
+    def _push(self, t: float, kind: int, obj) -> None:
+        self._seq += 1
+        heapq.heappush(self.heap, (t, self._seq, kind, obj))
+
+    def _sync(self) -> None:
+        """Deliver events at least ``lag_s`` old to the directory; the router pulls the delta."""
+        cutoff = self.now - self.config.lag_s
+        pending = self.pending_events
+        batch: dict[str, list] = {}
+        while pending and pending[0][0] <= cutoff:
+            event = pending.popleft()[1]
+            batch.setdefault(event.replica_id, []).append(event)
+        directory = self.directory
+        for rid, events in batch.items():
+            directory.apply_events(rid, events)
+        version, changes = directory.changes_since(self.view_version)
+        if changes is None:
+            reply = {"epoch": "sim", "version": version, "full": directory.full_view()}
+        elif changes:
+            reply = {"epoch": "sim", "version": version, "changes": changes}
+        else:
+            return  # the long poll returns only when there is news
+        self.router.apply_directory_reply(reply)
+        self.view_version = version
+
+    # ------------------------------------------------------------------ replica
+
+    def _dispatch(self, req: SimRequest, idx: int) -> None:
+        req.replica = idx
+        req.t_dispatch = self.now
+        self.ongoing[idx] += 1
+        replica = self.replicas[idx]
+        replica.sched.add(req)
+        self._admit(replica)
+
+    def _admit(self, replica: SimReplica) -> None:
+        admitted = replica.sched.admit()
+        if not admitted:
+            return
+        pool = replica.pool
+        uids = replica.sched.running_uids()
+        missing = [u for u in batch_order(uids) if not pool.is_resident(u)]
+        pool.prepare_lora_batch(uids)
+        costs = self.config.costs
+        load_s: dict[str, tuple[float, bool]] = {}
+        for uid in missing:
+            rank = self.ranks[uid]
+            from_host = replica.host.fetch(uid, costs.adapter_bytes(rank))
+            load_s[uid] = (costs.load_seconds(rank, from_host), from_host)
+        stall = sum(s for s, _ in load_s.values())
+        for req in admitted:
+            s = load_s.pop(req.uid, None)
+            if s is not None:  # the first admitted request for a missing adapter caused its load
+                req.loaded, req.load_s, req.disk = True, s[0], not s[1]
+            stall += req.in_len * costs.prefill_s_per_token
+        replica.load_s += sum(r.load_s for r in admitted)
+        start = max(self.now, replica.stall_end)
+        replica.stall_end = start + stall
+        replica.stall_total += stall
+        decode = costs.decode_s_per_token
+        for req in admitted:
+            req.t_admit = self.now
+            req.t_first = replica.stall_end
+            req.stall_seen = replica.stall_total
+            self._push(replica.stall_end + req.out_len * decode, _DONE, req)
+
+    def _finish(self, req: SimRequest) -> None:
+        replica = self.replicas[req.replica]
+        if replica.stall_total > req.stall_seen:  # stalls happened while it ran: later
+            self._push(self.now + replica.stall_total - req.stall_seen, _DONE, req)
+            req.stall_seen = replica.stall_total
+            return
+        req.t_done = self.now
+        replica.sched.finish(req)
+        replica.served += 1
+        self.ongoing[replica.idx] -= 1
+        if replica.sched.running:
+            replica.pool.retain_batch(replica.sched.running_uids())
+        else:
+            replica.pool.release_batch()
+        self.done += 1
+        self._admit(replica)
+
+    def _route(self, req: SimRequest) -> None:
+        idx = self.router.route(req, self.now)
+        if idx is None:
+            delay = min(self.config.backoff_initial_s * (2 ** req.attempt), self.config.backoff_max_s)
+            req.attempt += 1
+            self.retries += 1
+            self._push(self.now + delay, _RETRY, req)
+        else:
+            self._dispatch(req, idx)
+
+    # ------------------------------------------------------------------ loop
+
+    def run(self) -> SimResult:
+        started = time.perf_counter()
+        t = self.trace
+        ranks = t.ranks
+        adapters = t.adapters.tolist()
+        arrivals = t.arrivals.tolist()
+        ins, outs = t.input_lens.tolist(), t.output_lens.tolist()
+        n = len(adapters)
+        self.requests = reqs = [SimRequest(i, adapter_uid(a), arrivals[i], ins[i], outs[i], int(ranks[a]))
+                                for i, a in enumerate(adapters)]
+        self.done = 0
+        if self.directory is not None:
+            self._push(self.config.lag_s, _SYNC, None)
+            self.router.apply_directory_reply({"epoch": "sim", "version": self.directory.version,
+                                               "full": self.directory.full_view()})
+            self.view_version = self.directory.version
+        heap = self.heap
+        nxt = 0
+        pop = heapq.heappop
+        while self.done < n:
+            if nxt < n and (not heap or arrivals[nxt] <= heap[0][0]):
+                req = reqs[nxt]
+                nxt += 1
+                self.now = req.arrival
+                self._route(req)
+                continue
+            when, _, kind, obj = pop(heap)
+            self.now = when
+            if kind == _DONE:
+                self._finish(obj)
+            elif kind == _RETRY:
+                self._route(obj)
+            else:
+                self._sync()
+                self._push(when + self.config.lag_s, _SYNC, None)
+        return self._result(time.perf_counter() - started)
+
+    def _result(self, wall: float) -> SimResult:
+        cfg = self.config
+        first = int(len(self.requests) * cfg.warmup_fraction)
+        measured = self.requests[first:]
+        ttft = np.array([r.t_first - r.arrival for r in measured])
+        e2e = np.array([r.t_done - r.arrival for r in measured])
+        queue = np.array([r.t_admit - r.arrival for r in measured])
+        waited = sum(1 for r in measured if r.t_admit > r.t_dispatch)
+        loads = sum(1 for r in measured if r.loaded)
+        disk = sum(1 for r in measured if r.disk)
+        per_replica = np.bincount([r.replica for r in measured], minlength=cfg.replicas)
+        pools = [r.pool for r in self.replicas]
+        q = lambda a, p: float(np.percentile(a, p)) if len(a) else float("nan")
+        return SimResult(
+            router=cfg.router, replicas=cfg.replicas, adapters=self.trace.num_adapters, requests=len(measured),
+            loads=loads, loads_total=sum(p.counters.loads for p in pools),
+            hit_ratio=1.0 - loads / max(1, len(measured)),
+            ttft_p50=q(ttft, 50), ttft_p99=q(ttft, 99), e2e_p50=q(e2e, 50), e2e_p99=q(e2e, 99),
+            queue_p99=q(queue, 99), slot_waited=waited / max(1, len(measured)),
+            imbalance=float(per_replica.max() / per_replica.mean()) if per_replica.mean() else float("nan"),
+            load_seconds=float(sum(r.load_s for r in measured)), disk_loads=disk, retries=self.retries,
+            evictions=sum(p.counters.evictions for p in pools), kinds=dict(self.router.kinds),
+            sim_seconds=self.now, wall_seconds=wall,
+            settings={k: v for k, v in asdict(cfg).items() if k != "costs"},
+        )
+
+
+def run_sim(trace: Trace, config: SimConfig) -> SimResult:
+    return Simulator(trace, config).run()

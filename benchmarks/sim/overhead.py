@@ -1,0 +1,98 @@
+"""In-process cost of one routing decision: routing.policy.choose_replicas beside a power-of-two choice.
+
+The view is what a router holds in a warm fleet: every replica's slots full of adapters
+drawn from the workload's popularity, loads 0..max_batch-1. Each call is timed on its
+own with ``perf_counter_ns`` (timer overhead, ~50-100 ns, included), garbage collector
+on, as in service.
+
+- ``policy``: ``choose_replicas(adapter, fleet_view, loads, RoutingConfig())`` on a cached
+  ``FleetView`` (what the router calls per request; the issue's goal is on this line).
+- ``view+policy``: ``RouterView.fleet_view(ids, adapter)`` + the policy, with ``optimistic``
+  live own decisions in the view (what ``AdapterAffinityRouter.choose_replicas`` does).
+- ``pow2``: Ray Serve's power-of-two choice as ``pow_2_router.py`` does it (two distinct
+  ``random.randrange`` indexes), plus picking the shorter of the two cached queue lengths.
+- ``view rebuild``: ``RouterView._build`` after a directory delta (once per change, not per request).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Callable, Sequence
+
+import numpy as np
+
+from routing.policy import RoutingConfig, choose_replicas
+from routing.view import RouterView
+
+from ..traces import Popularity, adapter_uid
+
+
+def _timed(fn: Callable[[object], object], args: Sequence) -> np.ndarray:
+    ns = np.empty(len(args), dtype=np.int64)
+    clock = time.perf_counter_ns
+    for k, a in enumerate(args):
+        t0 = clock()
+        fn(a)
+        ns[k] = clock() - t0
+    return ns / 1e3  # microseconds
+
+
+def _state(replica_id: str, uids: Sequence[str]) -> dict:
+    return {"replica_id": replica_id, "seq": 1, "slots": len(uids), "resident": {u: s for s, u in enumerate(uids)},
+            "pinned": [], "loading": [], "host_cached": [], "queue_len": 0, "free_slots": 0}
+
+
+def measure(replicas: int, adapters: int = 10_000, *, calls: int = 20_000,
+            slots: int = 8, max_batch: int = 16, optimistic: int = 3000,
+            popularity: Popularity = Popularity("power", 0.3), seed: int = 0) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    ids = tuple(f"replica-{i:04d}" for i in range(replicas))
+    probs = popularity.probabilities(adapters)
+    full = {}
+    for r in ids:
+        chosen = rng.choice(adapters, size=slots, replace=False, p=probs)
+        full[r] = _state(r, [adapter_uid(int(a)) for a in chosen])
+    reply = {"epoch": "bench", "version": 1, "full": full}
+    asked = [adapter_uid(int(a)) for a in popularity.sample(calls, adapters, rng)]
+    loads = rng.integers(0, max_batch, replicas).astype(np.float64)
+    config = RoutingConfig()
+    now = [0.0]
+    view = RouterView(ttl_s=3.0, clock=lambda: now[0])
+    view.apply_directory_reply(reply)
+    fleet = view.fleet_view(ids)  # built once; no adapter asked: the cached view itself
+    rows = []
+
+    def row(kind: str, us: np.ndarray, note: str = "") -> dict:
+        return {"replicas": replicas, "adapters": adapters, "kind": kind, "calls": int(len(us)),
+                "median_us": float(np.median(us)), "p99_us": float(np.percentile(us, 99)),
+                "mean_us": float(us.mean()), "note": note}
+
+    for a in asked[:200]:  # warm numpy's and the hash's caches
+        choose_replicas(a, fleet, loads, config)
+    rows.append(row("policy", _timed(lambda a: choose_replicas(a, fleet, loads, config), asked)))
+
+    load_list = loads.tolist()
+    n = replicas
+    randrange = random.Random(seed).randrange
+
+    def pow2(_a) -> int:
+        i = randrange(n)
+        j = randrange(n - 1)
+        if j >= i:
+            j += 1
+        return i if load_list[i] <= load_list[j] else j
+
+    rows.append(row("pow2", _timed(pow2, asked)))
+
+    for a in asked[-optimistic:]:  # this router's recent decisions, all still within the ttl
+        view.record_decision(a, ids[int(rng.integers(n))])
+
+    def decide(a) -> None:
+        choose_replicas(a, view.fleet_view(ids, a), loads, config)
+
+    rows.append(row("view+policy", _timed(decide, asked), f"{optimistic} live own decisions"))
+
+    rows.append(row("view rebuild", _timed(lambda _a: view._build(ids), range(20 if replicas > 256 else 100)),
+                    "once per directory delta"))
+    return rows
