@@ -27,6 +27,7 @@ from .hashing import rendezvous_scores, stable_hash
 @dataclass(frozen=True)
 class RoutingConfig:
     load_bound_epsilon: float = 0.25
+    min_load_bound: int = 0  # a floor for the bound: batching makes a few more requests nearly free
     placement_lookahead: int = 2
     fallback_width: int = 4
 
@@ -58,8 +59,8 @@ class FleetView:
             self.free_slots = np.zeros(len(self.replica_ids), dtype=bool)
 
 
-def load_bound(loads: np.ndarray, epsilon: float) -> float:
-    return math.ceil((1.0 + epsilon) * (float(loads.sum()) + 1.0) / len(loads))
+def load_bound(loads: np.ndarray, epsilon: float, floor: int = 0) -> float:
+    return max(math.ceil((1.0 + epsilon) * (float(loads.sum()) + 1.0) / len(loads)), floor)
 
 
 def choose_replicas(adapter: Optional[str], view: FleetView, loads: Sequence[float] | np.ndarray,
@@ -68,7 +69,7 @@ def choose_replicas(adapter: Optional[str], view: FleetView, loads: Sequence[flo
     if n == 0:
         return RoutingDecision([], "none")
     loads = np.asarray(loads, dtype=np.float64)
-    bound = load_bound(loads, config.load_bound_epsilon)
+    bound = load_bound(loads, config.load_bound_epsilon, config.min_load_bound)
     if adapter is None:
         return RoutingDecision(_least_loaded_tiers(loads, view.hashes, set(), config), "base")
 

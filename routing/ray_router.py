@@ -53,10 +53,10 @@ class _RouterMetrics:
 
 
 class AdapterAffinityRouter(FIFOMixin, RequestRouter):
-    def initialize_state(self, load_bound_epsilon: float = 0.25, placement_lookahead: int = 2,
+    def initialize_state(self, load_bound_epsilon: float = 0.25, min_load_bound: int = 0, placement_lookahead: int = 2,
                          optimistic_ttl_s: float = 3.0, directory_deployment: str = "AdapterDirectory",
                          poll_timeout_s: float = 5.0, min_poll_interval_s: float = 0.05, **_: object) -> None:
-        self.routing_config = RoutingConfig(load_bound_epsilon=load_bound_epsilon,
+        self.routing_config = RoutingConfig(load_bound_epsilon=load_bound_epsilon, min_load_bound=min_load_bound,
                                             placement_lookahead=placement_lookahead)
         self.view = RouterView(ttl_s=optimistic_ttl_s)
         self.directory_deployment = directory_deployment

@@ -105,3 +105,11 @@ def test_every_tier_index_is_valid(n):
     decision = choose_replicas("a", FleetView(ids, holders={"a": {0}}), np.arange(n, dtype=float))
     flat = [i for t in decision.tiers for i in t]
     assert flat and all(0 <= i < n for i in flat) and len(flat) == len(set(flat))
+
+
+def test_min_load_bound_keeps_low_load_requests_on_their_holder():
+    loads = np.zeros(8)
+    loads[2] = 2  # above (1+eps)*mean at this low load, but far from a full batch
+    holders = view({"a": {2}})
+    assert choose_replicas("a", holders, loads).kind == "spill"
+    assert choose_replicas("a", holders, loads, RoutingConfig(min_load_bound=8)).tiers[0] == [2]
