@@ -2,12 +2,16 @@
 
 1. Replicas that hold the adapter and stay under the load bound, least loaded first
    ("affinity").
-2. Otherwise bounded-load rendezvous hashing: replicas in the adapter's hash order; the
+   Holders over the bound come next: Ray Serve moves past a tier only when all its
+   replicas are at ``max_ongoing_requests`` (a "full_spill", counted by the router).
+2. Holders all over the bound: the first replica in the adapter's hash order that is under
+   the bound and has a free slot takes it ("spill": a hot adapter gets replicated without
+   evicting anyone); with no such replica the holders stay first.
+3. No holder: bounded-load rendezvous hashing — replicas in the adapter's hash order; the
    first whose load stays <= ceil((1+eps) * (total+1) / n) wins, preferring, among the
-   first ``placement_lookahead`` such replicas, one with a free slot or the adapter in its
-   host tier ("placement"; "spill" when holders exist but are all over the bound — which
-   is how a hot adapter gets replicated: its next replica in hash order takes the excess).
-3. Base-model requests go to the least loaded replicas ("base").
+   first ``placement_lookahead`` such replicas, a free slot, then a host-tier copy
+   ("placement").
+4. Base-model requests go to the least loaded replicas ("base").
 
 Routers that share a view choose the same replica without talking to each other. Later
 tiers are fallbacks: Ray Serve tries them when a replica of an earlier tier is full.
@@ -49,14 +53,14 @@ class FleetView:
     replica_ids: tuple[str, ...]
     holders: Mapping[str, Collection[int]] = field(default_factory=dict)
     warm: Mapping[str, Collection[int]] = field(default_factory=dict)
-    free_slots: Optional[np.ndarray] = None  # bool per replica
+    free_slots: Optional[np.ndarray] = None  # free slot count per replica
 
     def __post_init__(self) -> None:
         self.hashes = np.fromiter((stable_hash(r) for r in self.replica_ids), dtype=np.uint64,
                                   count=len(self.replica_ids))
         self.index = {r: i for i, r in enumerate(self.replica_ids)}
         if self.free_slots is None:
-            self.free_slots = np.zeros(len(self.replica_ids), dtype=bool)
+            self.free_slots = np.zeros(len(self.replica_ids), dtype=np.int64)
 
 
 def load_bound(loads: np.ndarray, epsilon: float, floor: int = 0) -> float:
@@ -71,38 +75,53 @@ def choose_replicas(adapter: Optional[str], view: FleetView, loads: Sequence[flo
     loads = np.asarray(loads, dtype=np.float64)
     bound = load_bound(loads, config.load_bound_epsilon, config.min_load_bound)
     if adapter is None:
-        return RoutingDecision(_least_loaded_tiers(loads, view.hashes, set(), config), "base")
+        return RoutingDecision(_least_loaded_tiers(loads, set(), config), "base")
 
     scores = rendezvous_scores(stable_hash(adapter), view.hashes)
-    holders = [i for i in view.holders.get(adapter, ()) if i < n]
-    under = [i for i in holders if loads[i] + 1 <= bound]
-    if under:
-        under.sort(key=lambda i: (loads[i], -int(scores[i])))
-        return RoutingDecision([under, *_fallback_tiers(loads, scores, bound, set(under), config)], "affinity")
-
+    holders = sorted((i for i in view.holders.get(adapter, ()) if i < n), key=lambda i: (loads[i], -int(scores[i])))
+    if holders:
+        under = [i for i in holders if loads[i] + 1 <= bound]
+        if not under:
+            # every holder is over the bound: replicate onto a free slot (no eviction) if one is under it
+            target = _rendezvous_target(adapter, view, loads, scores, bound, config, exclude=set(holders),
+                                        require_free=True)
+            if target is not None:
+                return RoutingDecision([[target], holders, *_least_loaded_tiers(loads, {target, *holders}, config)],
+                                       "spill")
+        # holders first, least loaded first; Serve moves past them only when all are at max_ongoing_requests
+        over = [i for i in holders if i not in under]
+        tiers = [t for t in (under, over) if t]
+        return RoutingDecision([*tiers, *_fallback_tiers(loads, scores, bound, set(holders), config)], "affinity")
     target = _rendezvous_target(adapter, view, loads, scores, bound, config)
-    over = sorted(holders, key=lambda i: loads[i])
-    tiers = [[target]]
-    if over:
-        tiers.append(over)
-    tiers.extend(_least_loaded_tiers(loads, view.hashes, {target, *over}, config))
-    return RoutingDecision(tiers, "spill" if holders else "placement")
+    return RoutingDecision([[target], *_least_loaded_tiers(loads, {target}, config)], "placement")
 
 
 def _rendezvous_target(adapter: str, view: FleetView, loads: np.ndarray, scores: np.ndarray, bound: float,
-                       config: RoutingConfig) -> int:
-    ok = loads + 1 <= bound  # never empty: the least loaded replica is at most the mean
+                       config: RoutingConfig, exclude: set[int] = frozenset(),
+                       require_free: bool = False) -> Optional[int]:
+    """The first replica in ``adapter``'s hash order under the bound; within the lookahead a free
+    slot wins (no eviction), then a host-tier copy (a cheap load). ``require_free``: only free slots."""
+    ok = loads + 1 <= bound  # never empty without exclusions: the least loaded replica is at most the mean
+    if exclude:
+        ok[list(exclude)] = False
+    if require_free:
+        ok &= view.free_slots > 0
+    if not ok.any():
+        return None
     masked = np.where(ok, scores, np.uint64(0))
     k = min(config.placement_lookahead, int(ok.sum()))
     if k <= 1:
         return int(np.argmax(masked))
     top = np.argpartition(masked, len(masked) - k)[-k:]
-    top = top[np.argsort(masked[top])[::-1]]
+    top = [int(i) for i in top[np.argsort(masked[top])[::-1]]]
     warm = view.warm.get(adapter, ())
     for i in top:
-        if int(i) in warm or view.free_slots[i]:
-            return int(i)
-    return int(top[0])
+        if view.free_slots[i]:
+            return i
+    for i in top:
+        if i in warm:
+            return i
+    return top[0]
 
 
 def _fallback_tiers(loads: np.ndarray, scores: np.ndarray, bound: float, exclude: set[int],
@@ -116,11 +135,10 @@ def _fallback_tiers(loads: np.ndarray, scores: np.ndarray, bound: float, exclude
         target = int(np.argmax(np.where(ok, scores, np.uint64(0))))
         tiers.append([target])
         exclude = exclude | {target}
-    return tiers + _least_loaded_tiers(loads, None, exclude, config)
+    return tiers + _least_loaded_tiers(loads, exclude, config)
 
 
-def _least_loaded_tiers(loads: np.ndarray, hashes: Optional[np.ndarray], exclude: set[int],
-                        config: RoutingConfig) -> list[list[int]]:
+def _least_loaded_tiers(loads: np.ndarray, exclude: set[int], config: RoutingConfig) -> list[list[int]]:
     n = len(loads)
     width = min(config.fallback_width, n)
     candidates = loads.copy()

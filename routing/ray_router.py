@@ -5,6 +5,11 @@ share no memory. Each keeps a ``RouterView`` fed by a background long poll on th
 AdapterDirectory deployment, by the replicas' ``routing_stats``, and by its own
 decisions, and asks ``policy.choose_replicas`` for ranked tiers. Routing never waits on
 the directory: with it down, the last view, the stats and rendezvous placement remain.
+
+No ``FIFOMixin``: it hands a freed replica to the oldest waiting request whatever its
+adapter (it matches only on ``multiplexed_model_id``, which we do not use), which would
+send queued requests to replicas without their adapter. Each request gets the replica
+chosen for it.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import time
 from collections import Counter
 from typing import List, Optional
 
-from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from .policy import RoutingConfig, choose_replicas
 from .view import RouterView, replica_loads
@@ -52,7 +57,7 @@ class _RouterMetrics:
         self._lag.set(seconds)
 
 
-class AdapterAffinityRouter(FIFOMixin, RequestRouter):
+class AdapterAffinityRouter(RequestRouter):
     def initialize_state(self, load_bound_epsilon: float = 0.25, min_load_bound: int = 0, placement_lookahead: int = 2,
                          optimistic_ttl_s: float = 3.0, directory_deployment: str = "AdapterDirectory",
                          poll_timeout_s: float = 5.0, min_poll_interval_s: float = 0.05, **_: object) -> None:

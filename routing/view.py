@@ -36,6 +36,7 @@ class RouterView:
         self._optimistic: dict[str, dict[str, float]] = {}  # name -> replica -> expiry
         self._generation = 0
         self._last_prune = float("-inf")
+        self._reserved: dict[str, dict[str, float]] = {}  # replica -> adapters placed there, not yet reported
         self._cache_key: Optional[tuple] = None
         self._cache: Optional[FleetView] = None
 
@@ -53,8 +54,12 @@ class RouterView:
         for replica_id, state in reply.get("changes", {}).items():
             if state.get("removed"):
                 self.states.pop(replica_id, None)
+                self._reserved.pop(replica_id, None)
             elif state.get("seq", 0) >= self.states.get(replica_id, {}).get("seq", -1):
                 self.states[replica_id] = state
+                self._confirm(replica_id, state)
+        for replica_id, state in reply.get("full", {}).items():
+            self._confirm(replica_id, state)
         self.version = reply["version"]
         self.last_update = self._clock()
         self._touch()
@@ -68,11 +73,41 @@ class RouterView:
             merged = dict(current or {}, replica_id=replica_id)
             merged.update(stats)
             self.states[replica_id] = merged
+            self._confirm(replica_id, merged)
             self._touch()
 
     def record_decision(self, adapter: Optional[str], replica_id: str) -> None:
-        if adapter is not None:
-            self._optimistic.setdefault(adapter, {})[replica_id] = self._clock() + self.ttl_s
+        """"I just sent ``adapter`` to ``replica_id``": trusted for ``ttl_s``, never extended.
+
+        A decision that places an adapter the replica does not hold also reserves one of its
+        free slots, so the next cold adapter is not placed on the same "free" slot.
+        """
+        if adapter is None or self._holds(replica_id, adapter):
+            return
+        now = self._clock()
+        targets = self._optimistic.setdefault(adapter, {})
+        if targets.get(replica_id, 0.0) > now:
+            return  # not extended: if the replica evicted it since, its reports win after ttl_s
+        targets[replica_id] = now + self.ttl_s
+        self._reserved.setdefault(replica_id, {})[adapter] = now + self.ttl_s
+        cache = self._cache
+        if cache is not None and replica_id in cache.index:
+            i = cache.index[replica_id]
+            cache.free_slots[i] = max(0, int(cache.free_slots[i]) - 1)
+
+    def _holds(self, replica_id: str, adapter: str) -> bool:
+        return any(adapter_name(u) == adapter for u in self.states.get(replica_id, {}).get("resident", ()))
+
+    def _confirm(self, replica_id: str, state: Mapping) -> None:
+        """A replica's own report supersedes our guesses about it: drop those it confirms."""
+        reserved = self._reserved.get(replica_id)
+        for uid in state.get("resident", ()):
+            name = adapter_name(uid)
+            targets = self._optimistic.get(name)
+            if targets is not None:
+                targets.pop(replica_id, None)
+            if reserved:
+                reserved.pop(name, None)
 
     # ------------------------------------------------------------------ output
 
@@ -88,7 +123,12 @@ class RouterView:
         now = self._clock()
         if now - self._last_prune >= self.ttl_s:  # bound memory: forget decisions nobody looks up
             self._last_prune = now
-            self._optimistic = {a: t for a, t in self._optimistic.items() if max(t.values()) > now}
+            self._optimistic = {a: t for a, t in self._optimistic.items() if t and max(t.values()) > now}
+            reserved = {r: {a: t for a, t in placed.items() if t > now} for r, placed in self._reserved.items()}
+            if reserved != self._reserved:  # expired reservations give their slots back
+                self._reserved = {r: placed for r, placed in reserved.items() if placed}
+                self._touch()
+                return self.fleet_view(replica_ids, adapter)
         targets = self._optimistic.get(adapter) if adapter is not None else None
         if not targets:
             return view
@@ -113,17 +153,19 @@ class RouterView:
     def _build(self, replica_ids: tuple[str, ...]) -> FleetView:
         holders: dict[str, set[int]] = {}
         warm: dict[str, set[int]] = {}
-        free = np.zeros(len(replica_ids), dtype=bool)
+        now = self._clock()
+        free = np.zeros(len(replica_ids), dtype=np.int64)
         for i, replica_id in enumerate(replica_ids):
             state = self.states.get(replica_id)
+            reserved = sum(1 for t in self._reserved.get(replica_id, {}).values() if t > now)
             if not state:
-                free[i] = True  # a replica nobody has heard of yet is empty
+                free[i] = max(0, 1 - reserved)  # a replica nobody has heard of yet: at least one free slot
                 continue
             for uid in state.get("resident", {}):
                 holders.setdefault(adapter_name(uid), set()).add(i)
             for uid in (*state.get("host_cached", ()), *state.get("loading", ())):
                 warm.setdefault(adapter_name(uid), set()).add(i)
-            free[i] = state.get("free_slots", 0) > 0
+            free[i] = max(0, int(state.get("free_slots", 0)) - reserved)
         return FleetView(replica_ids, holders=holders, warm=warm, free_slots=free)
 
 

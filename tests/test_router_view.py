@@ -50,6 +50,7 @@ def test_optimistic_decisions_expire():
     v = RouterView(ttl_s=2.0, clock=clock)
     v.record_decision("x", "r1")
     assert v.fleet_view(("r0", "r1"), "x").holders.get("x") == {1}
+    assert v.fleet_view(("r0", "r1")).free_slots[1] == 0  # r1 unknown: its one assumed free slot is reserved
     assert "x" not in v.fleet_view(("r0", "r1")).holders  # only the adapter being routed gets the overlay
     clock.now += 3
     assert "x" not in v.fleet_view(("r0", "r1"), "x").holders
@@ -61,7 +62,7 @@ def test_host_cached_and_loading_adapters_are_warm_and_unknown_replicas_are_free
         "r0": state("r0", 1, {}, free=0, host_cached=["h@1"], loading=["l@2"])}})
     view = v.fleet_view(("r0", "r9"))
     assert view.warm == {"h": {0}, "l": {0}}
-    assert list(view.free_slots) == [False, True]
+    assert list(view.free_slots) == [0, 1]
 
 
 def test_loads_prefer_probed_queue_lengths():
@@ -76,7 +77,7 @@ def test_adapter_name_strips_the_registration_id():
 
 
 def test_the_optimistic_overlay_equals_an_eager_merge():
-    """fleet_view(ids, adapter) adds this router's live decisions for that adapter only, exactly."""
+    """fleet_view(ids, adapter) adds this router's live, unconfirmed decisions for that adapter only."""
     import numpy as np
 
     rng = np.random.default_rng(0)
@@ -84,7 +85,8 @@ def test_the_optimistic_overlay_equals_an_eager_merge():
     v = RouterView(ttl_s=1.0, clock=clock)
     ids = tuple(f"r{i}" for i in range(6))
     names = [f"a{i}" for i in range(12)]
-    decisions: list[tuple[str, str, float]] = []
+    live: dict[tuple[str, str], float] = {}  # (adapter, replica) -> expiry, the reference
+    resident: dict[str, set[str]] = {}
     for version in range(1, 80):
         clock.now += float(rng.uniform(0.0, 0.4))
         if version % 5 == 1:
@@ -92,13 +94,47 @@ def test_the_optimistic_overlay_equals_an_eager_merge():
                                           enumerate(rng.choice(12, 3, replace=False))}, free=int(rng.integers(0, 2)))
                     for r in ids[: int(rng.integers(3, 7))]}
             v.apply_directory_reply({"epoch": "e", "version": version, "full": full})
+            resident = {r: {adapter_name(u) for u in st["resident"]} for r, st in full.items()}
+            live = {(a, r): t for (a, r), t in live.items() if a not in resident.get(r, set())}  # confirmed
         for _ in range(int(rng.integers(0, 4))):
             a, r = names[int(rng.integers(12))], ids[int(rng.integers(6))]
             v.record_decision(a, r)
-            decisions.append((a, r, clock.now + 1.0))
+            if a not in resident.get(r, set()) and live.get((a, r), 0.0) <= clock.now:
+                live[(a, r)] = clock.now + 1.0  # recorded once, never extended
         base = v.fleet_view(ids)
         for name in names:
-            live = {ids.index(r) for a, r, t in decisions if a == name and t > clock.now}
+            extra = {ids.index(r) for (a, r), t in live.items() if a == name and t > clock.now}
             got = v.fleet_view(ids, name).holders.get(name, set())
-            assert set(got) == set(base.holders.get(name, ())) | live
-        assert v.fleet_view(ids) is base  # no adapter: the cached view, untouched
+            assert set(got) == set(base.holders.get(name, ())) | extra
+        assert v.fleet_view(ids) is base or v.fleet_view(ids).holders == base.holders
+
+
+def test_placements_reserve_free_slots_until_reported():
+    clock = Clock()
+    v = RouterView(ttl_s=2.0, clock=clock)
+    v.apply_directory_reply({"epoch": "e", "version": 1, "full": {"r0": state("r0", 1, {"a@1": 0}, free=2)}})
+    assert v.fleet_view(("r0",)).free_slots[0] == 2
+    v.record_decision("a", "r0")  # already resident: no reservation
+    v.record_decision("b", "r0")
+    v.record_decision("b", "r0")  # the same placement again: not a second slot
+    assert v.fleet_view(("r0",)).free_slots[0] == 1
+    v.record_decision("c", "r0")
+    assert v.fleet_view(("r0",)).free_slots[0] == 0
+    # r0 reports b loaded (one slot used): b's reservation is confirmed, c's still holds a slot
+    v.apply_routing_stats("r0", {"seq": 2, "resident": {"a@1": 0, "b@2": 1}, "free_slots": 1})
+    assert v.fleet_view(("r0",)).free_slots[0] == 0
+    clock.now += 3  # c's reservation expires: its slot is free again
+    assert v.fleet_view(("r0",)).free_slots[0] == 1
+
+
+def test_a_decision_is_not_extended_so_an_evicted_adapter_stops_attracting_traffic():
+    clock = Clock()
+    v = RouterView(ttl_s=2.0, clock=clock)
+    v.apply_directory_reply({"epoch": "e", "version": 1, "full": {"r0": state("r0", 1, {}, free=1),
+                                                                 "r1": state("r1", 1, {}, free=1)}})
+    v.record_decision("x", "r1")
+    for _ in range(3):
+        clock.now += 0.5
+        v.record_decision("x", "r1")  # more sends while it is live: they must not extend it
+    clock.now += 0.6  # 2.1 s after the first send
+    assert "x" not in v.fleet_view(("r0", "r1"), "x").holders

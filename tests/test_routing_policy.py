@@ -11,7 +11,7 @@ IDS = tuple(f"replica-{i}" for i in range(8))
 
 def view(holders=None, warm=None, free=None):
     return FleetView(IDS, holders=holders or {}, warm=warm or {},
-                     free_slots=np.array(free if free is not None else [False] * len(IDS)))
+                     free_slots=np.array(free if free is not None else [0] * len(IDS)))
 
 
 def test_holder_under_the_bound_wins():
@@ -32,20 +32,31 @@ def test_cold_adapter_goes_to_its_rendezvous_replica():
     assert IDS[decision.tiers[0][0]] == rendezvous_order("cold", list(IDS))[0]
 
 
-def test_overloaded_holders_spill_to_the_next_rendezvous_replica():
+def test_overloaded_holders_spill_to_the_next_free_rendezvous_replica():
     order = [IDS.index(r) for r in rendezvous_order("hot", list(IDS))]
     loads = np.zeros(8)
     loads[order[0]] = 10  # the hot adapter's holder is far above the mean
-    decision = choose_replicas("hot", view({"hot": {order[0]}}), loads, RoutingConfig(placement_lookahead=1))
+    free = [1] * 8
+    decision = choose_replicas("hot", view({"hot": {order[0]}}, free=free), loads)
     assert decision.kind == "spill"
     assert decision.tiers[0] == [order[1]]  # the next in its hash order: replicas of a hot adapter stay few
     assert decision.tiers[1] == [order[0]]  # the holder stays as a fallback tier
 
 
+def test_without_a_free_slot_overloaded_holders_stay_first():
+    """No eviction to relieve load: Serve moves on only when the holder is at max_ongoing_requests."""
+    order = [IDS.index(r) for r in rendezvous_order("hot", list(IDS))]
+    loads = np.zeros(8)
+    loads[order[0]] = 10
+    decision = choose_replicas("hot", view({"hot": {order[0]}}), loads)
+    assert decision.kind == "affinity" and decision.tiers[0] == [order[0]]
+    assert decision.tiers[1] == [order[1]]  # then its rendezvous replica, then the least loaded
+
+
 def test_placement_prefers_a_free_slot_or_host_copy_within_the_lookahead():
     order = [IDS.index(r) for r in rendezvous_order("x", list(IDS))]
-    free = [False] * 8
-    free[order[1]] = True
+    free = [0] * 8
+    free[order[1]] = 1
     decision = choose_replicas("x", view(free=free), np.zeros(8), RoutingConfig(placement_lookahead=2))
     assert decision.tiers[0] == [order[1]]
     warm = choose_replicas("x", view(warm={"x": {order[1]}}), np.zeros(8), RoutingConfig(placement_lookahead=2))
@@ -77,7 +88,10 @@ def test_first_choice_always_respects_the_load_bound():
         loads = rng.integers(0, 10, 8).astype(float)
         decision = choose_replicas(f"a{rng.integers(0, 50)}", view({"a1": {0, 1}}), loads)
         bound = load_bound(loads, 0.25)
-        assert all(loads[i] + 1 <= bound for i in decision.tiers[0])
+        if decision.kind == "affinity":
+            assert set(decision.tiers[0]) <= {0, 1}  # holders, however loaded
+        else:
+            assert all(loads[i] + 1 <= bound for i in decision.tiers[0])
 
 
 def test_rendezvous_is_stable_when_replicas_join():
@@ -110,6 +124,7 @@ def test_every_tier_index_is_valid(n):
 def test_min_load_bound_keeps_low_load_requests_on_their_holder():
     loads = np.zeros(8)
     loads[2] = 2  # above (1+eps)*mean at this low load, but far from a full batch
-    holders = view({"a": {2}})
+    holders = view({"a": {2}}, free=[1] * 8)
     assert choose_replicas("a", holders, loads).kind == "spill"
-    assert choose_replicas("a", holders, loads, RoutingConfig(min_load_bound=8)).tiers[0] == [2]
+    floored = choose_replicas("a", holders, loads, RoutingConfig(min_load_bound=8))
+    assert floored.kind == "affinity" and floored.tiers[0] == [2]

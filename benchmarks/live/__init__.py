@@ -1,0 +1,1 @@
+"""Deployments and helpers used only by the live (Ray Serve) benchmarks."""

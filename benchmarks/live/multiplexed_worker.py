@@ -1,0 +1,128 @@
+"""Baseline (b) of ``benchmarks.routing_live``: the same engine behind Ray Serve's own multiplexing.
+
+Each replica runs the product's ``LoRAEngine`` with the same ``EngineConfig`` (same demo
+model, same pool size) as ``deployments.worker.LoRAWorker``, but adapters are managed the
+way Ray Serve's documentation suggests: ``@serve.multiplexed(max_num_models_per_replica=
+slots)`` "loads a model" -- here: registers the adapter with the engine (reads and
+validates the folder) -- and Serve's LRU unloads the oldest one when a replica already
+holds ``slots`` of them -- here: unregisters it (after its in-flight requests drain), which
+also frees its pool slot. Clients send ``handle.options(multiplexed_model_id=name)``, so
+Serve's default router (power of two choices with its multiplexed-model preference)
+places requests. No directory, no registry, no affinity router.
+
+Loads are counted twice: ``mux_loads`` (calls of the multiplexed loader, i.e. Serve's
+own view) and the engine pool's ``counters.loads`` (slot loads, as for the other variants).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import Optional
+
+import torch
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from deployments.config import AppArgs, resolve_demo_source
+from engine.engine import LoRAEngine
+from engine.request import GenerateRequest, GenerateResult
+from pool.errors import AdapterNotFoundError
+
+
+class _LoadedAdapter:
+    """What the multiplexed loader returns; Serve calls ``__del__`` when its LRU drops it."""
+
+    def __init__(self, owner: "MultiplexedLoRAWorker", name: str):
+        self.owner = owner
+        self.name = name
+        self.unloaded = False
+
+    def __del__(self):
+        # Serve's multiplexer runs this in a thread (and waits for it) before its next load;
+        # the flag keeps a later garbage collection from unregistering a newer registration
+        if not self.unloaded:
+            self.unloaded = True
+            self.owner._unload(self.name)
+
+
+@serve.deployment(
+    name="MultiplexedLoRAWorker",
+    max_ongoing_requests=8,
+    request_router_config=RequestRouterConfig(),  # Serve's default: power of two choices (+ multiplexing)
+    health_check_period_s=5.0,
+)
+class MultiplexedLoRAWorker:
+    def __init__(self, args: dict, slots: Optional[int] = None):
+        self.args = AppArgs(**args)
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        if not torch.cuda.is_available():
+            import ray
+
+            cpus = ray.get_runtime_context().get_assigned_resources().get("CPU")
+            torch.set_num_threads(max(1, int(cpus)) if cpus else (os.cpu_count() or 1))
+        self.engine = LoRAEngine(self.args.engine_config(self.replica_id))
+        self.sources = {spec.name: (spec.source, spec.revision) for spec in self.args.startup_adapters()}
+        self.slots = int(slots or self.args.max_loras_per_batch)
+        self.mux_loads = 0
+        self.mux_unloads = 0
+        self.mux_load_seconds = 0.0
+        self.mux_unload_seconds = 0.0
+
+        async def load_adapter(name: str) -> _LoadedAdapter:
+            return await self._load(name)
+
+        # wired per instance so the slot count can follow the app args (Serve detects it at runtime)
+        self.get_adapter = serve.multiplexed(max_num_models_per_replica=self.slots)(load_adapter)
+
+    async def _load(self, name: str) -> _LoadedAdapter:
+        if name not in self.sources:
+            raise AdapterNotFoundError(f"adapter {name!r} is not registered")
+        source, revision = self.sources[name]
+        started = time.perf_counter()
+        path = await asyncio.to_thread(resolve_demo_source, source)
+        await asyncio.to_thread(self.engine.register_adapter, name, path, revision=revision)
+        self.mux_loads += 1
+        self.mux_load_seconds += time.perf_counter() - started
+        return _LoadedAdapter(self, name)
+
+    def _unload(self, name: str) -> None:
+        """Blocking (Serve calls it off the event loop): drain the adapter's requests, then drop it."""
+        started = time.perf_counter()
+        try:
+            self.engine.unregister_adapter(name, self.args.drain_timeout_s)
+        except AdapterNotFoundError:
+            pass
+        self.mux_unloads += 1
+        self.mux_unload_seconds += time.perf_counter() - started
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        name = serve.get_multiplexed_model_id() or request.adapter
+        if name is not None:
+            if name != request.adapter:
+                raise ValueError(f"multiplexed_model_id {name!r} differs from the request's adapter "
+                                 f"{request.adapter!r}")
+            await self.get_adapter(name)  # no await point between this and submit: no unload can intervene
+        result = await self.engine.generate(request)
+        result.replica_id = self.replica_id
+        return result
+
+    def stats(self) -> dict:
+        """This replica's pool snapshot plus the multiplexer's own counts."""
+        snap = self.engine.pool.snapshot().to_dict()
+        snap.update(replica_id=self.replica_id, mux_loads=self.mux_loads, mux_unloads=self.mux_unloads,
+                    mux_load_seconds=self.mux_load_seconds, mux_unload_seconds=self.mux_unload_seconds,
+                    registered=sorted(self.engine.adapters))
+        return snap
+
+    def __del__(self):
+        if hasattr(self, "engine"):
+            self.engine.shutdown()
+
+
+def build_multiplexed(parsed: AppArgs, options: Optional[dict] = None):
+    """The baseline app: one multiplexed deployment, ``slots`` = the pool's ``max_loras_per_batch``."""
+    opts = dict(max_ongoing_requests=parsed.max_batch_size, max_queued_requests=parsed.max_queued_requests)
+    opts.update(options or {})
+    return MultiplexedLoRAWorker.options(**opts).bind(parsed.model_dump())
