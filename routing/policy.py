@@ -3,7 +3,8 @@
 1. Replicas that hold the adapter and stay under the load bound, least loaded first
    ("affinity").
    Holders over the bound come next: Ray Serve moves past a tier only when all its
-   replicas are at ``max_ongoing_requests`` (a "full_spill", counted by the router).
+   replicas are at ``max_ongoing_requests`` (a "full_spill", counted by the router), and
+   then only to replicas with a free slot until the request has waited ``spill_wait_s``.
 2. Holders all over the bound: the first replica in the adapter's hash order that is under
    the bound and has a free slot takes it ("spill": a hot adapter gets replicated without
    evicting anyone); with no such replica the holders stay first.
@@ -34,6 +35,7 @@ class RoutingConfig:
     min_load_bound: int = 0  # a floor for the bound: batching makes a few more requests nearly free
     placement_lookahead: int = 2
     fallback_width: int = 4
+    spill_wait_s: float = 1.0  # how long a request waits for a full holder before it may evict elsewhere
 
 
 @dataclass
@@ -68,7 +70,7 @@ def load_bound(loads: np.ndarray, epsilon: float, floor: int = 0) -> float:
 
 
 def choose_replicas(adapter: Optional[str], view: FleetView, loads: Sequence[float] | np.ndarray,
-                    config: RoutingConfig = RoutingConfig()) -> RoutingDecision:
+                    config: RoutingConfig = RoutingConfig(), waited_s: float = 0.0) -> RoutingDecision:
     n = len(view.replica_ids)
     if n == 0:
         return RoutingDecision([], "none")
@@ -88,10 +90,14 @@ def choose_replicas(adapter: Optional[str], view: FleetView, loads: Sequence[flo
             if target is not None:
                 return RoutingDecision([[target], holders, *_least_loaded_tiers(loads, {target, *holders}, config)],
                                        "spill")
-        # holders first, least loaded first; Serve moves past them only when all are at max_ongoing_requests
+        # holders first, least loaded first; Serve moves past them only when all are at max_ongoing_requests,
+        # and then only to a free slot, until the request has waited spill_wait_s (evicting for it before that
+        # would thrash a working set that fits)
         over = [i for i in holders if i not in under]
         tiers = [t for t in (under, over) if t]
-        return RoutingDecision([*tiers, *_fallback_tiers(loads, scores, bound, set(holders), config)], "affinity")
+        free_only = waited_s < config.spill_wait_s
+        return RoutingDecision([*tiers, *_fallback_tiers(loads, scores, bound, set(holders), config, view, free_only)],
+                               "affinity")
     target = _rendezvous_target(adapter, view, loads, scores, bound, config)
     return RoutingDecision([[target], *_least_loaded_tiers(loads, {target}, config)], "placement")
 
@@ -125,16 +131,20 @@ def _rendezvous_target(adapter: str, view: FleetView, loads: np.ndarray, scores:
 
 
 def _fallback_tiers(loads: np.ndarray, scores: np.ndarray, bound: float, exclude: set[int],
-                    config: RoutingConfig) -> list[list[int]]:
-    """Where a request goes if every holder is full: its rendezvous replica, then the least loaded."""
-    ok = (loads + 1 <= bound)
+                    config: RoutingConfig, view: FleetView, free_only: bool) -> list[list[int]]:
+    """Where a request goes if every holder is full: its rendezvous replica, then the least loaded
+    (with ``free_only``, only replicas with a free slot: no eviction)."""
+    allowed = np.ones(len(loads), dtype=bool) if not free_only else view.free_slots > 0
     if exclude:
-        ok[list(exclude)] = False
+        allowed[list(exclude)] = False
+    ok = allowed & (loads + 1 <= bound)
     tiers = []
     if ok.any():
         target = int(np.argmax(np.where(ok, scores, np.uint64(0))))
         tiers.append([target])
         exclude = exclude | {target}
+    if free_only:
+        exclude = exclude | {int(i) for i in np.flatnonzero(~allowed)}
     return tiers + _least_loaded_tiers(loads, exclude, config)
 
 

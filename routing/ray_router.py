@@ -59,10 +59,11 @@ class _RouterMetrics:
 
 class AdapterAffinityRouter(RequestRouter):
     def initialize_state(self, load_bound_epsilon: float = 0.25, min_load_bound: int = 0, placement_lookahead: int = 2,
+                         spill_wait_s: float = 1.0,
                          optimistic_ttl_s: float = 3.0, directory_deployment: str = "AdapterDirectory",
                          poll_timeout_s: float = 5.0, min_poll_interval_s: float = 0.05, **_: object) -> None:
         self.routing_config = RoutingConfig(load_bound_epsilon=load_bound_epsilon, min_load_bound=min_load_bound,
-                                            placement_lookahead=placement_lookahead)
+                                            placement_lookahead=placement_lookahead, spill_wait_s=spill_wait_s)
         self.view = RouterView(ttl_s=optimistic_ttl_s)
         self.directory_deployment = directory_deployment
         self.poll_timeout_s = poll_timeout_s
@@ -92,7 +93,8 @@ class AdapterAffinityRouter(RequestRouter):
         if target is not None:
             return [[by_id[target]]] if target in by_id else []
         adapter = request_adapter(pending_request)
-        decision = choose_replicas(adapter, self.view.fleet_view(ids, adapter), loads, self.routing_config)
+        waited = time.time() - pending_request.created_at if pending_request is not None else 0.0
+        decision = choose_replicas(adapter, self.view.fleet_view(ids, adapter), loads, self.routing_config, waited)
         if pending_request is not None:
             # every tier has been offered; if all are full, wait (back off) before asking again
             pending_request.routing_context.should_backoff = True

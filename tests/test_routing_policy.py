@@ -49,8 +49,9 @@ def test_without_a_free_slot_overloaded_holders_stay_first():
     loads = np.zeros(8)
     loads[order[0]] = 10
     decision = choose_replicas("hot", view({"hot": {order[0]}}), loads)
-    assert decision.kind == "affinity" and decision.tiers[0] == [order[0]]
-    assert decision.tiers[1] == [order[1]]  # then its rendezvous replica, then the least loaded
+    assert decision.kind == "affinity" and decision.tiers == [[order[0]]]  # nowhere to go without evicting
+    waited = choose_replicas("hot", view({"hot": {order[0]}}), loads, waited_s=5.0)
+    assert waited.tiers[1] == [order[1]]  # after spill_wait_s: its rendezvous replica, then the least loaded
 
 
 def test_placement_prefers_a_free_slot_or_host_copy_within_the_lookahead():
@@ -128,3 +129,15 @@ def test_min_load_bound_keeps_low_load_requests_on_their_holder():
     assert choose_replicas("a", holders, loads).kind == "spill"
     floored = choose_replicas("a", holders, loads, RoutingConfig(min_load_bound=8))
     assert floored.kind == "affinity" and floored.tiers[0] == [2]
+
+
+def test_full_holders_spill_only_to_free_slots_until_the_request_has_waited():
+    order = [IDS.index(r) for r in rendezvous_order("a", list(IDS))]
+    loads = np.zeros(8)
+    free = [0] * 8
+    free[order[3]] = 1
+    fresh = choose_replicas("a", view({"a": {order[0]}}, free=free), loads)
+    assert fresh.tiers[0] == [order[0]]
+    assert [i for t in fresh.tiers[1:] for i in t] == [order[3]]  # no evicting fallback yet
+    waited = choose_replicas("a", view({"a": {order[0]}}, free=free), loads, RoutingConfig(spill_wait_s=1.0), 1.5)
+    assert waited.tiers[1] == [order[1]] and len([i for t in waited.tiers[1:] for i in t]) > 1

@@ -80,7 +80,8 @@ class AffinityRouter(Router):
     def route(self, req, now):
         sim = self.sim
         ongoing, cap = sim.ongoing, sim.max_ongoing
-        decision = choose_replicas(req.uid, self.view.fleet_view(sim.ids, req.uid), ongoing, self.config)
+        decision = choose_replicas(req.uid, self.view.fleet_view(sim.ids, req.uid), ongoing, self.config,
+                                   now - req.arrival)
         for rank, tier in enumerate(decision.tiers):
             for i in tier:
                 if ongoing[i] < cap:
