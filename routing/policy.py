@@ -77,7 +77,7 @@ def choose_replicas(adapter: Optional[str], view: FleetView, loads: Sequence[flo
     loads = np.asarray(loads, dtype=np.float64)
     bound = load_bound(loads, config.load_bound_epsilon, config.min_load_bound)
     if adapter is None:
-        return RoutingDecision(_least_loaded_tiers(loads, set(), config), "base")
+        return RoutingDecision(_least_loaded_tiers(loads, None, config), "base")
 
     scores = rendezvous_scores(stable_hash(adapter), view.hashes)
     holders = sorted((i for i in view.holders.get(adapter, ()) if i < n), key=lambda i: (loads[i], -int(scores[i])))
@@ -88,8 +88,8 @@ def choose_replicas(adapter: Optional[str], view: FleetView, loads: Sequence[flo
             target = _rendezvous_target(adapter, view, loads, scores, bound, config, exclude=set(holders),
                                         require_free=True)
             if target is not None:
-                return RoutingDecision([[target], holders, *_least_loaded_tiers(loads, {target, *holders}, config)],
-                                       "spill")
+                return RoutingDecision([[target], holders, *_least_loaded_tiers(loads, _without(n, target, *holders),
+                                                                                        config)], "spill")
         # holders first, least loaded first; Serve moves past them only when all are at max_ongoing_requests,
         # and then only to a free slot, until the request has waited spill_wait_s (evicting for it before that
         # would thrash a working set that fits)
@@ -99,7 +99,13 @@ def choose_replicas(adapter: Optional[str], view: FleetView, loads: Sequence[flo
         return RoutingDecision([*tiers, *_fallback_tiers(loads, scores, bound, set(holders), config, view, free_only)],
                                "affinity")
     target = _rendezvous_target(adapter, view, loads, scores, bound, config)
-    return RoutingDecision([[target], *_least_loaded_tiers(loads, {target}, config)], "placement")
+    return RoutingDecision([[target], *_least_loaded_tiers(loads, _without(n, target), config)], "placement")
+
+
+def _without(n: int, *excluded: int) -> np.ndarray:
+    allowed = np.ones(n, dtype=bool)
+    allowed[list(excluded)] = False
+    return allowed
 
 
 def _rendezvous_target(adapter: str, view: FleetView, loads: np.ndarray, scores: np.ndarray, bound: float,
@@ -134,7 +140,7 @@ def _fallback_tiers(loads: np.ndarray, scores: np.ndarray, bound: float, exclude
                     config: RoutingConfig, view: FleetView, free_only: bool) -> list[list[int]]:
     """Where a request goes if every holder is full: its rendezvous replica, then the least loaded
     (with ``free_only``, only replicas with a free slot: no eviction)."""
-    allowed = np.ones(len(loads), dtype=bool) if not free_only else view.free_slots > 0
+    allowed = (view.free_slots > 0) if free_only else np.ones(len(loads), dtype=bool)
     if exclude:
         allowed[list(exclude)] = False
     ok = allowed & (loads + 1 <= bound)
@@ -142,24 +148,17 @@ def _fallback_tiers(loads: np.ndarray, scores: np.ndarray, bound: float, exclude
     if ok.any():
         target = int(np.argmax(np.where(ok, scores, np.uint64(0))))
         tiers.append([target])
-        exclude = exclude | {target}
-    if free_only:
-        exclude = exclude | {int(i) for i in np.flatnonzero(~allowed)}
-    return tiers + _least_loaded_tiers(loads, exclude, config)
+        allowed[target] = False
+    return tiers + _least_loaded_tiers(loads, allowed, config)
 
 
-def _least_loaded_tiers(loads: np.ndarray, exclude: set[int], config: RoutingConfig) -> list[list[int]]:
-    n = len(loads)
+def _least_loaded_tiers(loads: np.ndarray, allowed: Optional[np.ndarray], config: RoutingConfig) -> list[list[int]]:
+    """Up to ``fallback_width`` allowed replicas, least loaded first, as two tiers (a pair, then the rest)."""
+    candidates = loads if allowed is None else np.where(allowed, loads, np.inf)
+    n = len(candidates)
     width = min(config.fallback_width, n)
-    candidates = loads.copy()
-    if exclude:
-        candidates[list(exclude)] = np.inf
-    if width < n:
-        idx = np.argpartition(candidates, width - 1)[:width]
-    else:
-        idx = np.arange(n)
-    idx = [int(i) for i in idx if candidates[i] != np.inf]
-    idx.sort(key=lambda i: (loads[i], i))
+    idx = np.argpartition(candidates, width - 1)[:width] if width < n else np.arange(n)
+    idx = sorted((int(i) for i in idx if candidates[i] != np.inf), key=lambda i: (loads[i], i))
     if not idx:
         return []
     return [idx[:2], idx[2:]] if len(idx) > 2 else [idx]
