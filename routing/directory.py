@@ -76,9 +76,10 @@ class AdapterDirectory:
 
     def apply_events(self, replica_id: str, events: Iterable[EventLike]) -> bool:
         """Apply events in ``seq`` order; returns False if a gap needs a snapshot resync."""
-        state = self._state(replica_id)
+        events = sorted((_event(e) for e in events), key=lambda e: e.seq)
+        state = self._state(replica_id, first_seq=events[0].seq if events else None)
         changed = False
-        for event in sorted((_event(e) for e in events), key=lambda e: e.seq):
+        for event in events:
             if event.seq <= state.seq:
                 continue  # already applied (a retry or an overlap with a snapshot)
             if event.seq != state.seq + 1 or state.needs_resync:
@@ -97,7 +98,7 @@ class AdapterDirectory:
                        host_cached: Optional[Iterable[str]] = None, loading: Optional[Iterable[str]] = None) -> None:
         """Replace a replica's state with its own full report (resync, or first contact)."""
         snap = snapshot if isinstance(snapshot, Mapping) else snapshot.to_dict()
-        state = self._state(snap["replica_id"])
+        state = self._state(snap["replica_id"], first_seq=None)
         if snap["seq"] < state.seq and not state.needs_resync:
             return  # older than what events already told us
         for uid in list(state.resident):
@@ -116,7 +117,7 @@ class AdapterDirectory:
     def heartbeat(self, replica_id: str, *, queue_len: Optional[int] = None,
                   host_cached: Optional[Iterable[str]] = None, loading: Optional[Iterable[str]] = None) -> bool:
         """Liveness plus the parts of a replica's state that are not pool events."""
-        state = self._state(replica_id)
+        state = self._state(replica_id, first_seq=None)
         state.last_report = self._clock()
         if self._set_extras(state, queue_len, host_cached, loading):
             self._bump(replica_id)
@@ -173,10 +174,13 @@ class AdapterDirectory:
 
     # ------------------------------------------------------------------ internals
 
-    def _state(self, replica_id: str) -> ReplicaState:
+    def _state(self, replica_id: str, first_seq: Optional[int] = 1) -> ReplicaState:
+        """The replica's state; one first heard of mid-stream (a directory restart, a lost first
+        report) is marked for a snapshot, since its events so far are unknown."""
         state = self.replicas.get(replica_id)
         if state is None:
-            state = self.replicas[replica_id] = ReplicaState(replica_id, last_report=self._clock())
+            state = self.replicas[replica_id] = ReplicaState(replica_id, last_report=self._clock(),
+                                                             needs_resync=first_seq != 1)
             self._bump(replica_id)
         return state
 

@@ -106,3 +106,15 @@ def test_silent_replicas_are_forgotten():
     clock.now = 12
     assert d.expire() == ["r0"]
     assert set(d.replicas) == {"r1"} and d.replicas_holding("a") == {"r1"}
+
+
+def test_a_replica_first_heard_of_mid_stream_is_asked_for_a_snapshot():
+    """After a directory restart, a worker's next report may be a bare heartbeat or later events."""
+    d = AdapterDirectory()
+    assert not d.heartbeat("r0", queue_len=1)
+    assert d.needs_resync("r0")
+    assert not d.apply_events("r1", [ev("load", "a", 0, 7, "r1")])
+    assert d.needs_resync("r1") and d.replicas["r1"].resident == {}
+    d.apply_snapshot({"replica_id": "r1", "seq": 7, "slots": 3, "resident": {"a": 0}, "pinned": []})
+    assert not d.needs_resync("r1") and d.replicas["r1"].free_slots == 2
+    assert d.apply_events("r2", [ev("load", "b", 0, 1, "r2")])  # a replica's very first event: no snapshot needed
