@@ -178,7 +178,7 @@ def markdown_wins(table: Sequence[dict], counts: dict[str, dict[str, int]], affi
     lines = ["| " + " | ".join(titles) + " |", "|" + "---|" * len(titles)]
     lines += ["| " + " | ".join(str(e[t]) for t in titles) + " |" for e in table]
     n = len(table)
-    lines += ["", f"| router | " + " | ".join(t for _, t in WIN_METRICS) + " |", "|" + "---|" * (len(WIN_METRICS) + 1)]
+    lines += ["", "| router | " + " | ".join(t for _, t in WIN_METRICS) + " |", "|" + "---|" * (len(WIN_METRICS) + 1)]
     for r in ROUTER_ORDER:
         lines.append(f"| {r} | " + " | ".join(f"{counts[r][k]}/{n}" for k, _ in WIN_METRICS) + " |")
     lines += ["", "| setting | affinity loads vs least-loaded | affinity p99 TTFT / least-loaded |", "|---|---|---|"]

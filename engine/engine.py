@@ -16,7 +16,6 @@ import uuid
 from collections import Counter
 from typing import AsyncIterator, Callable, Optional
 
-import torch
 
 from pool.errors import AdapterNotFoundError, LoRAFleetError
 from pool.memory_pool import LoRAMemoryPool

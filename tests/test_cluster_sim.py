@@ -10,8 +10,7 @@ import pytest
 from benchmarks import cluster_sim
 from benchmarks.policies import replay_online
 from benchmarks.sim import ROUTERS, SimConfig, Simulator, run_sim
-from benchmarks.traces import Popularity, adapter_uid, make_trace
-from routing.view import RouterView
+from benchmarks.traces import Popularity, make_trace
 
 
 def small_trace(n: int = 600, adapters: int = 40, replicas: int = 4, seed: int = 3, **kw):
