@@ -362,9 +362,11 @@ class LoRAEngine:
         logits = self.runner.forward(inputs)
         self.steps += 1
         finished: list[tuple[Sequence, str]] = []
+        greedy = logits.argmax(dim=-1).tolist()  # one device sync for the whole batch
         for i, seq in enumerate(running):
             req = seq.request
-            token = sample_next_token(logits[i], req.temperature, req.top_p, seq.generator)
+            token = greedy[i] if req.temperature == 0 else sample_next_token(logits[i], req.temperature, req.top_p,
+                                                                              seq.generator)
             seq.output_ids.append(token)
             self.tokens_generated += 1
             if token in self.eos_ids:
