@@ -27,6 +27,7 @@ from .policy import RoutingConfig, choose_replicas
 from .view import RouterView, replica_loads
 
 log = logging.getLogger("ray.serve")
+STATS_APPLY_INTERVAL_S = 0.1
 
 
 def request_adapter(pending_request: Optional[PendingRequest]) -> Optional[str]:
@@ -73,6 +74,7 @@ class AdapterAffinityRouter(RequestRouter):
         self._first_choice: dict[str, tuple[Optional[str], set[str]]] = {}
         self._poll_thread: Optional[threading.Thread] = None
         self._epoch_seen: Optional[str] = None
+        self._stats_applied_at = float("-inf")
         self.metrics = _RouterMetrics()
 
     async def choose_replicas(self, candidate_replicas: List[RunningReplica],
@@ -84,8 +86,11 @@ class AdapterAffinityRouter(RequestRouter):
             return []
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         ids = tuple(sorted(by_id))
-        for replica_id, replica in by_id.items():
-            self.view.apply_routing_stats(replica_id, replica.routing_stats)
+        now = time.monotonic()
+        if now - self._stats_applied_at >= STATS_APPLY_INTERVAL_S:  # stats change once a period, not per request
+            self._stats_applied_at = now
+            for replica_id, replica in by_id.items():
+                self.view.apply_routing_stats(replica_id, replica.routing_stats)
         cache = self.replica_queue_len_cache
         loads = replica_loads(ids, {r: cache.get(by_id[r].replica_id) for r in ids}, self._inflight, self.view)
         target = getattr(pending_request.args[0], "target_replica", None) if pending_request and pending_request.args \
