@@ -31,7 +31,3 @@ class KVCache:
 
     def release(self, row: int) -> None:
         self._free.append(row)
-
-    @property
-    def free_rows(self) -> int:
-        return len(self._free)

@@ -30,10 +30,6 @@ class Sequence:
             self.generator = torch.Generator(device=device)
             self.generator.manual_seed(request.seed if request.seed is not None else torch.seed())
 
-    @property
-    def prefilled(self) -> bool:
-        return bool(self.output_ids)
-
     def next_input(self) -> tuple[list[int], int]:
         """(tokens to feed, their first position): the prompt at first, then the last token."""
         if not self.output_ids:

@@ -9,12 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field, asdict
 from typing import Optional
 
-EVENT_KINDS = ("load", "evict", "pin", "unpin", "unload")
-
-
 @dataclass(frozen=True)
 class PoolEvent:
-    """One change to a replica's slots. ``seq`` starts at 1 per replica, with no gaps."""
+    """One change to a replica's slots. ``seq`` starts at 1 per replica, with no gaps.
+
+    ``kind`` is one of load, evict, pin, unpin, unload.
+    """
 
     kind: str
     uid: str

@@ -142,9 +142,6 @@ class RouterView:
     def queue_len(self, replica_id: str) -> int:
         return int(self.states.get(replica_id, {}).get("queue_len", 0))
 
-    def holders_of(self, adapter: str) -> set[str]:
-        return {r for r, s in self.states.items() if any(adapter_name(u) == adapter for u in s.get("resident", {}))}
-
     # ------------------------------------------------------------------ internals
 
     def _touch(self) -> None:
