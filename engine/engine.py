@@ -17,7 +17,7 @@ from collections import Counter
 from typing import AsyncIterator, Callable, Optional
 
 
-from pool.errors import AdapterNotFoundError, LoRAFleetError
+from pool.errors import AdapterNotFoundError, LoRAFleetError, PoolError
 from pool.memory_pool import LoRAMemoryPool
 from pool.shapes import LoRAModelShape
 from pool.store import AdapterRecord, AdapterStore
@@ -396,9 +396,17 @@ class LoRAEngine:
                 if not culprits:
                     raise
                 with self._lock:
-                    for seq in culprits:
-                        self._finish(seq, exc)
-                        admitted.remove(seq)
+                    if isinstance(exc, PoolError):
+                        # the pool changed since admission (a pin took a slot): wait again, first in line
+                        for seq in culprits:
+                            self.cache.release(seq.row)
+                            seq.row = None
+                            admitted.remove(seq)
+                        self.scheduler.requeue_front(culprits)
+                    else:  # the adapter itself failed to load: fail those requests alone
+                        for seq in culprits:
+                            self._finish(seq, exc)
+                            admitted.remove(seq)
                 if not self.scheduler.running:
                     self.pool.release_batch()
                     return None

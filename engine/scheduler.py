@@ -61,6 +61,12 @@ class Scheduler(Generic[S]):
         self.running.extend(admitted)
         return admitted
 
+    def requeue_front(self, seqs: list[S]) -> None:
+        """Admitted requests that could not start after all go back to the head, in order."""
+        for seq in reversed(seqs):
+            self.running.remove(seq)
+            self.waiting.appendleft(seq)
+
     def finish(self, seq: S) -> None:
         self.running.remove(seq)
 

@@ -69,3 +69,14 @@ def test_pinned_adapter_requests_may_bypass_a_blocked_head():
     s.add(pinned_req)
     assert s.admit() == [pinned_req]
     assert list(s.waiting) == [blocked]
+
+
+def test_requeue_front_keeps_arrival_order_ahead_of_later_requests():
+    s = make(slots=4)
+    a, b, c = Req("a"), Req("b"), Req("c")
+    for r in (a, b):
+        s.add(r)
+    s.admit()
+    s.add(c)
+    s.requeue_front([a, b])
+    assert list(s.waiting) == [a, b, c] and s.running == []
