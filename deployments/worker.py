@@ -96,12 +96,16 @@ class LoRAWorker:
             entry = self.registry.entries.get(name)
         if entry is None:
             raise AdapterNotFoundError(f"adapter {name!r} is not registered")
-        if self.engine.adapters.get(name) == entry.uid:
-            return
-        lock = self._load_locks.setdefault(entry.uid, asyncio.Lock())
-        async with lock:
-            if self.engine.adapters.get(name) != entry.uid:
-                await self._load(entry)
+        if self.engine.adapters.get(name) != entry.uid:
+            lock = self._load_locks.setdefault(entry.uid, asyncio.Lock())
+            async with lock:
+                if self.engine.adapters.get(name) != entry.uid:
+                    await self._load(entry)
+        uid = entry.uid
+        if not self.engine.pool.is_resident(uid) and uid not in self.engine.store.host_cache:
+            # evicted from the host tier too: re-read it here, off the engine thread, so the step
+            # that loads it into a slot does a memory copy instead of a file read
+            await asyncio.to_thread(self.engine.store.fetch, uid)
 
     async def _load(self, entry: RegistryEntry, pinned: bool = False) -> None:
         self.loading.add(entry.uid)
