@@ -28,6 +28,7 @@ from .view import RouterView, replica_loads
 
 log = logging.getLogger("ray.serve")
 STATS_APPLY_INTERVAL_S = 0.1
+MAX_TRACKED_DECISIONS = 10_000
 
 
 def request_adapter(pending_request: Optional[PendingRequest]) -> Optional[str]:
@@ -104,6 +105,8 @@ class AdapterAffinityRouter(RequestRouter):
             # every tier has been offered; if all are full, wait (back off) before asking again
             pending_request.routing_context.should_backoff = True
             first = {ids[i] for i in decision.tiers[0]} if decision.tiers else set()
+            if len(self._first_choice) > MAX_TRACKED_DECISIONS:  # requests cancelled before routing leave entries
+                self._first_choice.clear()
             self._first_choice[pending_request.metadata.internal_request_id] = (decision.kind, first)
         return [[by_id[ids[i]] for i in tier] for tier in decision.tiers]
 
