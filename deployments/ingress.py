@@ -245,11 +245,18 @@ class LoRAFleetIngress:
                     f"cannot pin {name!r}: replica {r} already pins {count[r]} of its {self.args.max_loras_per_batch} "
                     f"slots and at least one slot must stay unpinned")
 
-    async def _with_limits(self, response):
+    def _admit(self) -> None:
+        """The ingress's own queue bound (the workers' is Serve's max_queued_requests)."""
         if self.inflight >= self.args.max_queued_requests:
-            response.cancel()
             raise HTTPError(429, f"{self.inflight} requests in flight at this ingress; retry later",
                             code="overloaded", retry_after=1)
+
+    async def _with_limits(self, response):
+        try:
+            self._admit()
+        except HTTPError:
+            response.cancel()
+            raise
         self.inflight += 1
         try:
             return await asyncio.wait_for(response, self.args.request_timeout_s)
@@ -301,25 +308,34 @@ class LoRAFleetIngress:
             return error_response(exc)
 
     async def _stream(self, request: GenerateRequest, model: str, rid: str, chat: bool, include_usage: bool):
-        gen = self.worker_stream.generate_stream.remote(request)
-        iterator = gen.__aiter__()
-        first = await asyncio.wait_for(iterator.__anext__(), self.args.request_timeout_s)  # errors become statuses
+        self._admit()
+        self.inflight += 1
+        try:
+            gen = self.worker_stream.generate_stream.remote(request)
+            iterator = gen.__aiter__()
+            first = await asyncio.wait_for(iterator.__anext__(), self.args.request_timeout_s)  # errors -> statuses
+        except BaseException:
+            self.inflight -= 1
+            raise
 
         async def events():
-            if chat:
-                yield stream_chunk(None, model, rid, chat, first=True)
-            item = first
-            while True:
-                if isinstance(item, GenerateResult):
-                    if include_usage:
-                        yield stream_chunk(None, model, rid, chat, usage=item.usage)
-                    break
-                yield stream_chunk(item, model, rid, chat)
-                try:
-                    item = await iterator.__anext__()
-                except StopAsyncIteration:
-                    break
-            yield STREAM_DONE
+            try:
+                if chat:
+                    yield stream_chunk(None, model, rid, chat, first=True)
+                item = first
+                while True:
+                    if isinstance(item, GenerateResult):
+                        if include_usage:
+                            yield stream_chunk(None, model, rid, chat, usage=item.usage)
+                        break
+                    yield stream_chunk(item, model, rid, chat)
+                    try:
+                        item = await iterator.__anext__()
+                    except StopAsyncIteration:
+                        break
+                yield STREAM_DONE
+            finally:
+                self.inflight -= 1
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
