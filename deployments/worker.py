@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from typing import AsyncIterator, Optional
 
 import torch
@@ -170,14 +171,21 @@ class LoRAWorker:
                 "loading": sorted(self.loading)}
 
     async def _report_loop(self) -> None:
-        since_heartbeat = HEARTBEAT_INTERVAL_S
+        """Events every FLUSH_INTERVAL_S when there are any; heartbeat and metrics once a second.
+
+        This loop shares the replica's event loop with Serve's queue-length probes, so it stays
+        light: metrics are not pushed on every flush.
+        """
+        last_heartbeat = float("-inf")
         while True:
             await asyncio.sleep(FLUSH_INTERVAL_S)
-            since_heartbeat += FLUSH_INTERVAL_S
-            if not len(self.events) and not self.events.resync_needed and since_heartbeat < HEARTBEAT_INTERVAL_S:
+            now = time.monotonic()
+            heartbeat_due = now - last_heartbeat >= HEARTBEAT_INTERVAL_S
+            if not len(self.events) and not self.events.resync_needed and not heartbeat_due:
                 continue
-            since_heartbeat = 0.0
-            self.metrics.update(self.engine.pool, self.engine.store.host_cache)
+            if heartbeat_due:
+                last_heartbeat = now
+                self.metrics.update(self.engine.pool, self.engine.store.host_cache)
             events, resync = self.events.drain()
             snapshot = self.engine.pool.snapshot().to_dict() if resync else None
             try:

@@ -44,7 +44,10 @@ def test_metrics_after_traffic(fleet):
     while True:
         series = scrape()
         missing = [w for w in wanted if f"ray_lorafleet_{w}" not in series]
-        if (not missing and total(series, "ray_lorafleet_adapter_evictions_total") > 0) or time.monotonic() > deadline:
+        settled = total(series, "ray_lorafleet_adapter_load_seconds_count") == total(
+            series, "ray_lorafleet_adapter_loads_total")  # both are pushed once a second: wait for one snapshot
+        if (not missing and total(series, "ray_lorafleet_adapter_evictions_total") > 0 and settled) \
+                or time.monotonic() > deadline:
             break
         time.sleep(1)
     assert not missing, missing
