@@ -62,20 +62,28 @@ class Router(ABC):
         self.kinds[kind] = self.kinds.get(kind, 0) + 1
 
 
-class AffinityRouter(Router):
-    """This project's router: RouterView + choose_replicas, first non-full replica of the first tier."""
+class _ViewRouter(Router):
+    """A router fed by the directory through a real ``RouterView`` (lagged by the simulator)."""
 
-    name = "affinity"
     uses_view = True
 
     def __init__(self, sim: "Simulator"):
         super().__init__(sim)
         self.view = RouterView(ttl_s=sim.config.optimistic_ttl_s, clock=lambda: sim.now)
-        self.config = RoutingConfig(load_bound_epsilon=sim.config.load_bound_epsilon,
-                                    placement_lookahead=sim.config.placement_lookahead)
 
     def apply_directory_reply(self, reply: Mapping) -> None:
         self.view.apply_directory_reply(reply)
+
+
+class AffinityRouter(_ViewRouter):
+    """This project's router: RouterView + choose_replicas, first non-full replica of the first tier."""
+
+    name = "affinity"
+
+    def __init__(self, sim: "Simulator"):
+        super().__init__(sim)
+        self.config = RoutingConfig(load_bound_epsilon=sim.config.load_bound_epsilon,
+                                    placement_lookahead=sim.config.placement_lookahead)
 
     def route(self, req, now):
         sim = self.sim
@@ -92,22 +100,17 @@ class AffinityRouter(Router):
         return None
 
 
-class MultiplexRouter(Router):
+class MultiplexRouter(_ViewRouter):
     """Ray Serve's multiplexed-model routing (see the module docstring)."""
 
     name = "multiplex"
-    uses_view = True
 
     def __init__(self, sim: "Simulator"):
         super().__init__(sim)
-        self.view = RouterView(ttl_s=sim.config.optimistic_ttl_s, clock=lambda: sim.now)
         self.fallback_match: set[str] = set()
         self._fewest_for: Optional[FleetView] = None
         self._fewest: np.ndarray = np.arange(len(sim.ids))
         self.timeout_s = sim.config.multiplex_timeout_s
-
-    def apply_directory_reply(self, reply: Mapping) -> None:
-        self.view.apply_directory_reply(reply)
 
     def _fewest_models(self, fv: FleetView) -> np.ndarray:
         if fv is not self._fewest_for:
