@@ -2,7 +2,9 @@
 
 Every benchmark prints a plain-text table and can write the same rows as JSON with a
 metadata block (settings, machine, timestamp), so results from different machines and
-runs can be compared without re-reading the code that made them.
+runs can be compared without re-reading the code that made them. Each goal a benchmark
+checks is one ``goal(...)`` record: ``print_goals`` shows it and ``write_json`` stores the
+same list under a top-level ``"goals"`` key, so the JSON and the printout never disagree.
 """
 
 from __future__ import annotations
@@ -19,7 +21,12 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
+import numpy
+
 Row = dict[str, Any]
+Goal = dict[str, Any]
+
+GOAL_KEYS = ("name", "measured", "target", "pass")
 
 
 def base_parser(description: str, *, plot: bool = False) -> argparse.ArgumentParser:
@@ -90,12 +97,7 @@ def machine_info() -> dict[str, Any]:
     }
     if hasattr(os, "getloadavg"):  # other work on the machine skews timings; record it
         info["loadavg_1m"] = round(os.getloadavg()[0], 2)
-    try:
-        import numpy
-
-        info["numpy"] = numpy.__version__
-    except ImportError:  # pragma: no cover - numpy is a project dependency
-        pass
+    info["numpy"] = numpy.__version__
     try:
         import torch
 
@@ -125,9 +127,52 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
+def goal(name: str, measured: Any, target: Any, passed: Optional[bool]) -> Goal:
+    """One checked goal: what was measured, what it is held against (e.g. ``">= 0.8"``), the verdict.
+
+    ``passed`` is ``None`` only when the run cannot judge the goal (e.g. neither side
+    loaded anything); a missed goal is ``False`` and keeps its measured number.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"a goal needs a non-empty name, got {name!r}")
+    if passed is not None and not isinstance(passed, (bool, numpy.bool_)):
+        raise ValueError(f"goal {name!r}: passed must be True, False or None, got {passed!r}")
+    return {"name": name, "measured": measured, "target": target, "pass": None if passed is None else bool(passed)}
+
+
+def verdict(passed: Optional[bool]) -> str:
+    return "N/A" if passed is None else ("PASS" if passed else "FAIL")
+
+
+def _shown(value: Any) -> str:
+    return format(value, ".4g") if isinstance(value, float) else str(value)
+
+
+def goal_lines(goals: Sequence[Goal]) -> list[str]:
+    """``PASS  name  measured (target)`` per goal, names aligned."""
+    width = max((len(g["name"]) for g in goals), default=0)
+    return [f"{verdict(g['pass']):4s}  {g['name']:{width}s}  {_shown(g['measured'])} (goal {g['target']})"
+            for g in goals]
+
+
+def print_goals(goals: Sequence[Goal]) -> None:
+    print("goals:")
+    for line in goal_lines(goals):
+        print(f"  {line}")
+    sys.stdout.flush()
+
+
 def write_json(path: str | os.PathLike, benchmark: str, rows: Sequence[Mapping[str, Any]],
-               settings: Mapping[str, Any], extra: Optional[Mapping[str, Any]] = None) -> Path:
-    """``{"metadata": {benchmark, settings, machine, timestamp, ...extra}, "rows": [...]}``."""
+               settings: Mapping[str, Any], extra: Optional[Mapping[str, Any]] = None, *,
+               goals: Sequence[Goal]) -> Path:
+    """``{"metadata": {benchmark, settings, machine, timestamp, ...extra}, "rows": [...], "goals": [...]}``.
+
+    ``goals`` is required (pass ``[]`` for a benchmark with none): each is a ``goal(...)``
+    record, the same list the benchmark printed.
+    """
+    for g in goals:
+        if not isinstance(g, Mapping) or tuple(g) != GOAL_KEYS:
+            raise ValueError(f"goals must be goal(...) records with keys {GOAL_KEYS}, got {g!r}")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     metadata = {
@@ -137,7 +182,8 @@ def write_json(path: str | os.PathLike, benchmark: str, rows: Sequence[Mapping[s
         "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         **(extra or {}),
     }
-    path.write_text(json.dumps(_jsonable({"metadata": metadata, "rows": list(rows)}), indent=2) + "\n")
+    payload = {"metadata": metadata, "rows": list(rows), "goals": list(goals)}
+    path.write_text(json.dumps(_jsonable(payload), indent=2) + "\n")
     return path
 
 

@@ -182,7 +182,23 @@ def test_policies_main_tiny_run_writes_json_and_plot(tmp_path: Path, capsys) -> 
     assert data["metadata"]["pool_check_identical"] is True
     assert len(data["rows"]) == 7 * 2 * 2
     assert out.with_suffix(".png").stat().st_size > 0
-    assert "SIEVE beats LRU on" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "SIEVE beats LRU on" in printed
+    assert [(g["name"], g["measured"], g["pass"]) for g in data["goals"]] == [
+        ("fast replay = LoRAMemoryPool (misses, victims)", "identical", True),
+        ("settings where an online policy beats Belady", 0, True)]
+    for line in common.goal_lines(data["goals"]):
+        assert line in printed
+
+
+def test_policy_goals_fail_when_a_check_fails() -> None:
+    ids = adapter_sequence(300, 20, Popularity("zipf", 1.0), seed=0)
+    row = policies.make_row(Popularity("zipf", 1.0), 20, 4, ids, policies.run_setting(ids, 4))
+    assert [g["pass"] for g in policies.policy_goals(True, [row])] == [True, True]
+    assert [g["pass"] for g in policies.policy_goals(False, [row])] == [False, True]
+    beaten = {**row, "misses_sieve": row["misses_belady"] - 1}  # what a broken Belady would produce
+    goals = policies.policy_goals(True, [row, beaten])
+    assert goals[1]["measured"] == 1 and goals[1]["pass"] is False
 
 
 # ---------------------------------------------------------------------------- common + swap
@@ -193,10 +209,27 @@ def test_format_table_and_write_json(tmp_path: Path) -> None:
     text = common.format_table(rows)
     assert text.splitlines()[0].split() == ["a", "b", "c"]
     assert "0.1235" in text and "nan" in text
-    path = common.write_json(tmp_path / "x.json", "demo", rows, {"quick": True}, {"k": np.int64(3)})
+    goals = [common.goal("speed", np.float64(1.25), ">= 1.5", False), common.goal("ties", None, "> 0", None)]
+    path = common.write_json(tmp_path / "x.json", "demo", rows, {"quick": True}, {"k": np.int64(3)}, goals=goals)
     data = json.loads(path.read_text())
     assert data["rows"][1]["b"] is None and data["metadata"]["k"] == 3
     assert {"settings", "machine", "timestamp"} <= set(data["metadata"])
+    assert data["goals"] == [{"name": "speed", "measured": 1.25, "target": ">= 1.5", "pass": False},
+                             {"name": "ties", "measured": None, "target": "> 0", "pass": None}]
+    assert common.goal_lines(goals) == ["FAIL  speed  1.25 (goal >= 1.5)", "N/A   ties   None (goal > 0)"]
+
+
+@pytest.mark.parametrize("bad", [dict(name="", passed=True), dict(name="x", passed="yes"),
+                                 dict(name="x", passed=1.0)])
+def test_goal_refuses_a_nameless_goal_or_a_non_verdict(bad) -> None:
+    with pytest.raises(ValueError):
+        common.goal(bad["name"], 1.0, ">= 1", bad["passed"])
+
+
+def test_write_json_refuses_goals_that_are_not_goal_records(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="goal"):
+        common.write_json(tmp_path / "x.json", "demo", [], {}, goals=[{"name": "x", "pass": True}])
+    assert not (tmp_path / "x.json").exists()
 
 
 def test_swap_bench_rank_smoke(tmp_path: Path) -> None:
@@ -212,3 +245,20 @@ def test_swap_bench_rank_smoke(tmp_path: Path) -> None:
     for r in rows:
         assert r["MB"] == pytest.approx(shape.adapter_bytes(8, 4) / 1e6)
         assert r["seconds"] > 0 and r["copy_s"] > 0 and r["GB/s"] > 0
+
+
+def test_swap_main_writes_one_goal_per_rank_with_the_tables_verdict(tmp_path: Path, capsys) -> None:
+    from benchmarks import swap
+
+    out = tmp_path / "swap.json"
+    assert swap.main(["--quick", "--layers", "1", "--ranks", "8,16", "--json", str(out), "--tmpdir",
+                      str(tmp_path)]) == 0
+    data = json.loads(out.read_text())
+    host = [r for r in data["rows"] if r["source"] == "host"]
+    assert [g["name"] for g in data["goals"]] == [f"host swap-in / plain copy bandwidth, rank {r}" for r in (8, 16)]
+    for row, g in zip(host, data["goals"]):
+        assert g["measured"] == row["ratio"] and g["pass"] is row["goal_met"] is (row["ratio"] >= swap.HOST_GOAL)
+        assert g["target"] == f">= {swap.HOST_GOAL}"
+    printed = capsys.readouterr().out
+    for line in common.goal_lines(data["goals"]):
+        assert line in printed
