@@ -61,7 +61,7 @@ class LoRAWorker:
         self.engine = await asyncio.to_thread(LoRAEngine, self.args.engine_config(self.replica_id))
         self.events = EventBuffer()
         self.metrics = PoolMetrics()
-        self.engine.pool.subscribe(self.events.append)
+        self.engine.subscribe_pool_events(self.events.append)
         self.directory = directory
         self.registry = RegistryFollower(directory, self._registry_changed, REGISTRY_POLL_TIMEOUT_S)
         self.loading: set[str] = set()
@@ -97,16 +97,16 @@ class LoRAWorker:
             entry = self.registry.entries.get(name)
         if entry is None:
             raise AdapterNotFoundError(f"adapter {name!r} is not registered")
-        if self.engine.adapters.get(name) != entry.uid:
+        if self.engine.current_uid(name) != entry.uid:
             lock = self._load_locks.setdefault(entry.uid, asyncio.Lock())
             async with lock:
-                if self.engine.adapters.get(name) != entry.uid:
+                if self.engine.current_uid(name) != entry.uid:
                     await self._load(entry)
         uid = entry.uid
-        if not self.engine.pool.is_resident(uid) and uid not in self.engine.store.host_cache:
+        if not self.engine.is_resident(uid) and not self.engine.host_cached(uid):
             # evicted from the host tier too: re-read it here, off the engine thread, so the step
             # that loads it into a slot does a memory copy instead of a file read
-            await asyncio.to_thread(self.engine.store.fetch, uid)
+            await asyncio.to_thread(self.engine.fetch_to_host, uid)
 
     async def _load(self, entry: RegistryEntry, pinned: bool = False) -> None:
         self.loading.add(entry.uid)
@@ -122,32 +122,30 @@ class LoRAWorker:
     async def validate_adapter(self, name: str, source: str, revision: Optional[str], uid: str) -> dict:
         """Read and validate an adapter on this replica (registration's first step); returns its facts."""
         path = await asyncio.to_thread(resolve_demo_source, source)
-        record = await asyncio.to_thread(self.engine.store.register, uid, path, name=name, revision=revision)
-        self.engine.store.unregister(uid)
+        record = await asyncio.to_thread(self.engine.validate_adapter_files, uid, path, name=name, revision=revision)
         return {"rank": record.rank, "bytes": record.nbytes, "folder": str(record.folder)}
 
     def pool_state(self, target: Optional[ReplicaTarget] = None) -> dict:
         """This replica's pool, exactly; call it with a ``ReplicaTarget`` to ask one replica."""
         if target is not None and target.target_replica != self.replica_id:
             raise RuntimeError(f"pool_state for {target.target_replica} reached replica {self.replica_id}")
-        snap = self.engine.pool.snapshot().to_dict()
-        snap["host_cached"] = self.engine.store.host_cache.uids()
+        snap = self.engine.pool_snapshot().to_dict()
+        snap["host_cached"] = self.engine.host_cached_uids()
         return snap
 
     # ------------------------------------------------------------------ Serve hooks
 
     def record_routing_stats(self) -> dict:
         """What routers reconcile their view with every ``request_routing_stats_period_s``."""
-        snap = self.engine.pool.snapshot()
-        stats = self.engine.stats()
+        snap = self.engine.pool_snapshot()
         return {
             "seq": snap.seq, "slots": snap.slots, "resident": dict(snap.resident), "pinned": sorted(snap.pinned),
-            "free_slots": snap.free_slots, "host_cached": stats["host_cached"], "loading": sorted(self.loading),
-            "queue_len": stats["waiting"] + stats["running"],
+            "free_slots": snap.free_slots, "host_cached": self.engine.host_cached_uids(),
+            "loading": sorted(self.loading), "queue_len": self.engine.queue_len(),
         }
 
     def check_health(self) -> None:
-        if not self.engine._thread.is_alive():
+        if not self.engine.healthy():
             raise RuntimeError("the engine thread died")
         for task in self._tasks:
             if task.done() and task.exception() is not None:
@@ -166,8 +164,7 @@ class LoRAWorker:
     # ------------------------------------------------------------------ background
 
     def _heartbeat(self) -> dict:
-        stats = self.engine.stats()
-        return {"queue_len": stats["waiting"] + stats["running"], "host_cached": stats["host_cached"],
+        return {"queue_len": self.engine.queue_len(), "host_cached": self.engine.host_cached_uids(),
                 "loading": sorted(self.loading)}
 
     async def _report_loop(self) -> None:
@@ -185,9 +182,9 @@ class LoRAWorker:
                 continue
             if heartbeat_due:
                 last_heartbeat = now
-                self.metrics.update(self.engine.pool, self.engine.store.host_cache)
+                self.metrics.update(*self.engine.pool_metrics_sources())
             events, resync = self.events.drain()
-            snapshot = self.engine.pool.snapshot().to_dict() if resync else None
+            snapshot = self.engine.pool_snapshot().to_dict() if resync else None
             try:
                 reply = await self.directory.report.remote(self.replica_id, events, self._heartbeat(), snapshot)
                 if reply.get("resync"):
@@ -200,7 +197,7 @@ class LoRAWorker:
     async def _registry_changed(self, old: dict[str, RegistryEntry], new: dict[str, RegistryEntry]) -> None:
         """Retire adapters unregistered (or re-registered under a new uid); re-apply pins."""
         for name, entry in old.items():
-            if (name not in new or new[name].uid != entry.uid) and name in self.engine.adapters \
+            if (name not in new or new[name].uid != entry.uid) and self.engine.current_uid(name) is not None \
                     and name not in self._retiring:
                 self._retiring.add(name)
                 asyncio.get_running_loop().create_task(self._retire(name))
@@ -219,10 +216,10 @@ class LoRAWorker:
         replicas = sorted(set(self.registry.replicas) | {self.replica_id})
         for name, entry in self.registry.entries.items():
             should_pin = entry.pinned and self.replica_id in rendezvous_order(name, replicas)[: entry.replicas]
-            is_pinned = self.engine.adapters.get(name) == entry.uid and entry.uid in self.engine.pool.pinned
+            is_pinned = self.engine.current_uid(name) == entry.uid and entry.uid in self.engine.pinned_uids()
             try:
                 if should_pin and not is_pinned:
-                    if self.engine.adapters.get(name) != entry.uid:
+                    if self.engine.current_uid(name) != entry.uid:
                         await self._ensure_adapter(name)
                     await asyncio.to_thread(self.engine.pin_adapter, name)
                 elif is_pinned and not should_pin:

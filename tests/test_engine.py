@@ -130,7 +130,7 @@ def test_unregister_refuses_new_requests_at_once_and_drains_in_flight(engine, de
     worker = threading.Thread(target=lambda: results.append(
         engine.generate_blocking(GenerateRequest(adapter="temp", prompt="long", max_tokens=60))))
     worker.start()
-    while engine.inflight[engine.adapters["temp"]] == 0:
+    while engine.registry.inflight(engine.current_uid("temp")) == 0:
         time.sleep(0.001)
     uid = engine.unregister_adapter("temp", timeout_s=30)
     worker.join()
@@ -145,7 +145,7 @@ def test_pin_survives_a_flood_of_other_adapters(engine, demo_assets):
     try:
         for name in list(demo_assets.adapters) * 2:
             engine.generate_blocking(GenerateRequest(adapter=name, prompt="flood", max_tokens=2))
-            assert engine.pool.is_resident(engine.adapters["demo-5"])
+            assert engine.is_resident(engine.current_uid("demo-5"))
     finally:
         engine.unpin_adapter("demo-5")
 
@@ -184,9 +184,9 @@ def test_unregister_timeout_fails_in_flight_requests_clearly(engine, demo_assets
 
     worker = threading.Thread(target=run)
     worker.start()
-    while engine.inflight[engine.adapters["slow"]] == 0:
+    while engine.registry.inflight(engine.current_uid("slow")) == 0:
         time.sleep(0.001)
     uid = engine.unregister_adapter("slow", timeout_s=0.0)
     worker.join(timeout=30)
     assert errors and "unregistered" in str(errors[0])
-    assert not engine.pool.is_resident(uid) and engine.inflight[uid] == 0
+    assert not engine.pool.is_resident(uid) and engine.registry.inflight(uid) == 0

@@ -50,7 +50,7 @@ def peft_logits(peft_model, adapter, ids):
 def our_logits(engine, batch):
     """batch: list of (adapter name | None, ids); all-token logits per request from one forward."""
     with engine._step_lock:
-        uids = [engine.resolve_uid(a) for a, _ in batch]
+        uids = [engine.registry.resolve(a) for a, _ in batch]
         slots = engine.pool.prepare_lora_batch(set(uids))
         rows = [engine.cache.allocate() for _ in batch]
         try:

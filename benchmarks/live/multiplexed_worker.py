@@ -110,10 +110,10 @@ class MultiplexedLoRAWorker:
 
     def stats(self) -> dict:
         """This replica's pool snapshot plus the multiplexer's own counts."""
-        snap = self.engine.pool.snapshot().to_dict()
+        snap = self.engine.pool_snapshot().to_dict()
         snap.update(replica_id=self.replica_id, mux_loads=self.mux_loads, mux_unloads=self.mux_unloads,
                     mux_load_seconds=self.mux_load_seconds, mux_unload_seconds=self.mux_unload_seconds,
-                    registered=sorted(self.engine.adapters))
+                    registered=sorted(self.engine.stats()["adapters"]))
         return snap
 
     def __del__(self):
