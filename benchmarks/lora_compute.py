@@ -122,16 +122,16 @@ class Ours:
         return self.slots[None if adapter is None else self.uids[adapter]]
 
     def context_fill(self, context_ids: torch.Tensor, adapters: Sequence[Optional[int]]) -> torch.Tensor:
-        seqs = [SeqInput(row=i, token_ids=context_ids[i].tolist(), start_pos=0, slot=self.slot(a))
+        seqs = [SeqInput(block_table=i, token_ids=context_ids[i].tolist(), start_pos=0, slot=self.slot(a))
                 for i, a in enumerate(adapters)]
         return self.runner.forward(seqs)
 
     def decode_seqs(self, tokens: torch.Tensor, adapters: Sequence[Optional[int]]) -> list[SeqInput]:
-        return [SeqInput(row=i, token_ids=[int(tokens[i])], start_pos=DECODE_CONTEXT, slot=self.slot(a))
+        return [SeqInput(block_table=i, token_ids=[int(tokens[i])], start_pos=DECODE_CONTEXT, slot=self.slot(a))
                 for i, a in enumerate(adapters)]
 
     def prefill_seqs(self, prompt_ids: torch.Tensor, adapters: Sequence[Optional[int]]) -> list[SeqInput]:
-        return [SeqInput(row=DECODE_BATCH + i, token_ids=prompt_ids[i].tolist(), start_pos=0, slot=self.slot(a))
+        return [SeqInput(block_table=DECODE_BATCH + i, token_ids=prompt_ids[i].tolist(), start_pos=0, slot=self.slot(a))
                 for i, a in enumerate(adapters)]
 
 

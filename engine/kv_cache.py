@@ -1,33 +1,108 @@
-"""A fixed-capacity KV cache: one row per running request.
+"""The paged KV cache: per layer, K and V as ``[num_blocks, block_size, kv_heads, head_dim]``.
 
-The simplest correct shape (DESIGN.md "Hard parts"): rows are allocated at admission and
-freed when a request finishes; a decode step reads each row up to its length under a
-mask. Kept behind this small interface so a paged cache can replace it.
+Memory is a byte budget cut into fixed-size blocks (``engine.block_allocator``); a
+sequence holds only the blocks its tokens fill, so short requests no longer pay for
+``max_model_len``. The layout is FlashInfer's ``NHD`` paged layout (one tensor per layer
+for K and one for V), so the CUDA kernel reads these tensors as they are; the torch path
+gathers a step's blocks with one ``index_select`` per layer.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
+from .block_allocator import BlockAllocator, KVCacheFullError
 
-class KVCacheFullError(RuntimeError):
-    pass
+__all__ = ["PagedKVCache", "KVCache", "KVCacheFullError", "kv_budget_bytes"]
 
 
-class KVCache:
-    def __init__(self, num_layers: int, max_rows: int, max_len: int, kv_heads: int, head_dim: int,
-                 *, device: torch.device, dtype: torch.dtype):
-        shape = (num_layers, max_rows, max_len, kv_heads, head_dim)
+def kv_bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """K and V of one token position across all layers."""
+    return 2 * num_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def kv_budget_bytes(configured: Optional[int], *, device: torch.device, bytes_per_token: int,
+                    max_batch_size: int, max_model_len: int, memory_fraction: float) -> int:
+    """The KV budget: ``configured`` if set; else on CUDA ``memory_fraction`` of the memory free
+    now (after weights and the LoRA pool); else what the contiguous rows took
+    (``max_batch_size x max_model_len`` tokens)."""
+    if configured is not None:
+        if int(configured) < bytes_per_token:
+            raise ValueError(f"kv_cache_bytes={configured} is less than one token's K/V ({bytes_per_token} bytes)")
+        return int(configured)
+    if device.type == "cuda":
+        if not 0 < memory_fraction <= 1:
+            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {memory_fraction}")
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * memory_fraction)
+    return max_batch_size * max_model_len * bytes_per_token
+
+
+class PagedKVCache:
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, *,
+                 device: torch.device, dtype: torch.dtype, prefix_caching: bool = True):
+        self.allocator = BlockAllocator(num_blocks, block_size, prefix_caching)
+        shape = (num_layers, num_blocks, block_size, kv_heads, head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.num_layers = num_layers
+        self.block_size = block_size
+        self.kv_heads = kv_heads
+        self.head_dim = head_dim
+        self.bytes_per_block = block_size * kv_bytes_per_token(num_layers, kv_heads, head_dim, dtype)
+        self.peak_blocks_used = 0
+
+    @classmethod
+    def from_budget(cls, budget_bytes: int, num_layers: int, block_size: int, kv_heads: int, head_dim: int, *,
+                    device: torch.device, dtype: torch.dtype, prefix_caching: bool = True) -> "PagedKVCache":
+        per_block = block_size * kv_bytes_per_token(num_layers, kv_heads, head_dim, dtype)
+        num_blocks = budget_bytes // per_block
+        if num_blocks < 1:
+            raise ValueError(f"a KV budget of {budget_bytes} bytes holds no block of {block_size} tokens "
+                             f"({per_block} bytes each)")
+        return cls(num_layers, num_blocks, block_size, kv_heads, head_dim, device=device, dtype=dtype,
+                   prefix_caching=prefix_caching)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.allocator.num_blocks
+
+    @property
+    def capacity_tokens(self) -> int:
+        """The longest sequence the cache can hold at all (alone)."""
+        return self.num_blocks * self.block_size
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+    @property
+    def used_bytes(self) -> int:
+        return self.allocator.num_used * self.bytes_per_block
+
+    def note_usage(self) -> None:
+        self.peak_blocks_used = max(self.peak_blocks_used, self.allocator.num_used)
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the step's new K/V ([tokens, kv_heads, head_dim]) at flat slots ``block * block_size + offset``."""
+        self.k[layer].view(-1, self.kv_heads, self.head_dim).index_copy_(0, slots, k)
+        self.v[layer].view(-1, self.kv_heads, self.head_dim).index_copy_(0, slots, v)
+
+
+class KVCache(PagedKVCache):
+    """One block of ``max_len`` tokens per request: the contiguous-rows cache as a degenerate paged one."""
+
+    def __init__(self, num_layers: int, max_rows: int, max_len: int, kv_heads: int, head_dim: int, *,
+                 device: torch.device, dtype: torch.dtype):
+        super().__init__(num_layers, max_rows, max_len, kv_heads, head_dim, device=device, dtype=dtype,
+                         prefix_caching=False)
         self.max_rows = max_rows
         self.max_len = max_len
-        self._free = list(range(max_rows - 1, -1, -1))
 
     def allocate(self) -> int:
-        if not self._free:
-            raise KVCacheFullError(f"all {self.max_rows} KV rows are in use")
-        return self._free.pop()
+        return self.allocator.allocate()
 
     def release(self, row: int) -> None:
-        self._free.append(row)
+        self.allocator.free([row])
