@@ -272,7 +272,7 @@ def test_publish_loser_of_a_race_keeps_the_winner(tmp_path: Path) -> None:
         (target / "f").write_text("winner")
         (tmp / "f").write_text("loser")
 
-    assert demo._publish(target, ["f"], build_while_a_rival_wins) == target
+    assert demo.publish_folder(target, ["f"], build_while_a_rival_wins) == target
     assert (target / "f").read_text() == "winner"
     assert list(tmp_path.iterdir()) == [target]
 
@@ -281,7 +281,7 @@ def test_publish_refuses_an_incomplete_folder(tmp_path: Path) -> None:
     (tmp_path / "unit").mkdir()
     (tmp_path / "unit" / "other").write_text("")
     with pytest.raises(RuntimeError, match="delete it"):
-        demo._publish(tmp_path / "unit", ["f"], lambda tmp: None)
+        demo.publish_folder(tmp_path / "unit", ["f"], lambda tmp: None)
 
 
 def test_default_root_honours_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -292,7 +292,9 @@ def test_default_root_honours_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
 
 
 def test_cli_writes_and_reports(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    demo.main([str(tmp_path), "--adapters", "2", "--arch", "mistral"])
+    from engine.demo.__main__ import main
+
+    main([str(tmp_path), "--adapters", "2", "--arch", "mistral"])
     out = capsys.readouterr().out
     assert "model (mistral" in out and "adapter demo-1: r=8 alpha=16 rslora" in out
     assert (tmp_path / f"mistral-v{demo.ASSETS_VERSION}" / "adapters" / "demo-1" / "adapter_config.json").is_file()
