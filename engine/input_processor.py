@@ -26,7 +26,8 @@ class InputProcessor:
     def process(self, request: GenerateRequest) -> tuple[Optional[str], list[int]]:
         """(uid, prompt ids) for ``request``; the uid is None for the base model."""
         if not isinstance(request.max_tokens, int) or request.max_tokens <= 0:
-            raise InvalidRequestError("max_tokens", f"max_tokens must be a positive integer, got {request.max_tokens!r}")
+            raise InvalidRequestError("max_tokens",
+                                      f"max_tokens must be a positive integer, got {request.max_tokens!r}")
         if request.max_tokens > self.config.max_tokens_limit:
             raise InvalidRequestError("max_tokens", f"max_tokens {request.max_tokens} exceeds this server's limit "
                                                     f"{self.config.max_tokens_limit}")

@@ -20,7 +20,14 @@ from .adapters import (
     demo_adapter_spec,
     write_demo_adapter,
 )
-from .model import ARCHITECTURES, DEFAULT_INIT_STD, MODEL_FILES, NON_PRINTABLE_LOGIT_SCALE, demo_config, write_tiny_model
+from .model import (
+    ARCHITECTURES,
+    DEFAULT_INIT_STD,
+    MODEL_FILES,
+    NON_PRINTABLE_LOGIT_SCALE,
+    demo_config,
+    write_tiny_model,
+)
 from .publish import ASSETS_VERSION, DemoAssets, default_demo_root, ensure_demo_assets, publish_folder
 from .tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS, build_tokenizer
 

@@ -13,7 +13,8 @@ from .publish import ensure_demo_assets
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """``python -m engine.demo PATH [--adapters N] [--arch ARCH]``."""
-    parser = argparse.ArgumentParser(prog="python -m engine.demo", description="Write lorafleet's demo model and adapters.")
+    parser = argparse.ArgumentParser(prog="python -m engine.demo",
+                                     description="Write lorafleet's demo model and adapters.")
     parser.add_argument("path", type=Path, help="root folder of the demo assets")
     parser.add_argument("--adapters", type=int, default=6, help="number of demo adapters (default 6)")
     parser.add_argument("--arch", choices=ARCHITECTURES, default="llama", help="model architecture (default llama)")
@@ -25,7 +26,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     for index, (name, folder) in enumerate(assets.adapters.items()):
         spec = demo_adapter_spec(index)
         flags = " rslora" if spec.use_rslora else ""
-        print(f"adapter {name}: r={spec.rank} alpha={spec.alpha:g}{flags} targets={','.join(spec.target_modules)} {folder}")
+        targets = ",".join(spec.target_modules)
+        print(f"adapter {name}: r={spec.rank} alpha={spec.alpha:g}{flags} targets={targets} {folder}")
 
 
 if __name__ == "__main__":
