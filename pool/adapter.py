@@ -1,4 +1,4 @@
-"""Loading and validating PEFT-format LoRA adapters (safetensors only).
+"""Loading and validating PEFT-format LoRA adapters (safetensors only) from a local folder.
 
 An adapter is read completely and checked against the pool's shapes before anything is
 returned, so a refused adapter leaves nothing half-loaded anywhere.
@@ -12,7 +12,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 
@@ -23,7 +23,6 @@ from .errors import (
     PickleWeightsRefusedError,
     RankTooLargeError,
     ShapeMismatchError,
-    SourceNotAllowedError,
     UnsupportedAdapterFeatureError,
     UnsupportedTargetModulesError,
 )
@@ -225,44 +224,3 @@ def load_adapter_folder(
     if not a:
         raise AdapterFormatError(f"adapter {name!r}: {WEIGHTS_FILE} holds no LoRA tensors")
     return LoRAAdapterWeights(name=name, config=config, a=a, bt=bt, source=str(folder))
-
-
-def resolve_adapter_source(
-    source: str,
-    revision: Optional[str] = None,
-    *,
-    allowed_roots: Sequence[str | os.PathLike] | None = None,
-    hub_orgs: Sequence[str] | None = None,
-) -> Path:
-    """A local folder for ``source``: a local path, or a hub repo id fetched via the HF cache.
-
-    ``allowed_roots`` / ``hub_orgs`` are allow-lists (``None`` allows all). The hub path
-    honours ``HF_HUB_OFFLINE``, ``HF_HOME`` and ``HF_TOKEN`` through ``huggingface_hub``.
-    """
-    local = Path(source).expanduser()
-    looks_local = source.startswith(("/", ".", "~")) or local.exists()
-    if looks_local:
-        real = local.resolve()
-        if allowed_roots is not None and not any(
-            real == Path(r).resolve() or Path(r).resolve() in real.parents for r in allowed_roots
-        ):
-            raise SourceNotAllowedError(f"adapter source {source!r} is outside the allowed roots {list(map(str, allowed_roots))}")
-        if not real.is_dir():
-            raise AdapterNotFoundError(f"adapter source folder {source!r} does not exist")
-        return real
-    if not re.fullmatch(r"[\w.-]+/[\w.-]+", source):
-        raise AdapterNotFoundError(f"adapter source {source!r} is neither an existing folder nor a hub repo id")
-    org = source.split("/", 1)[0]
-    if hub_orgs is not None and org not in hub_orgs:
-        raise SourceNotAllowedError(f"hub organisation {org!r} of {source!r} is not in the allowed list {list(hub_orgs)}")
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
-
-    try:
-        path = snapshot_download(
-            repo_id=source, revision=revision,
-            allow_patterns=[CONFIG_FILE, WEIGHTS_FILE, *PICKLE_FILES, "added_tokens.json"],
-        )
-    except (RepositoryNotFoundError, RevisionNotFoundError, LocalEntryNotFoundError, HfHubHTTPError) as exc:
-        raise AdapterNotFoundError(f"hub adapter {source!r} (revision {revision or 'main'}) not found: {exc}") from exc
-    return Path(path)

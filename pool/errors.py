@@ -100,3 +100,22 @@ class PinRefusedError(PoolError):
 
 class AdapterInUseError(PoolError):
     """An in-flight batch uses the adapter; it cannot be unloaded now."""
+
+
+# --- adapter sources: object stores and the node-local download cache ---
+
+
+class InvalidAdapterSourceError(AdapterError):
+    """The source string is malformed: an unknown URL scheme, no bucket, '..' segments."""
+
+
+class SourceBackendMissingError(LoRAFleetError):
+    """The server lacks the optional package for this scheme (s3fs for s3://, gcsfs for gs://)."""
+
+
+class SourceAccessDeniedError(AdapterError):
+    """The object store refused this server's credentials for the source."""
+
+
+class SourceUnavailableError(LoRAFleetError):
+    """The object store could not be reached or the download failed; retrying may succeed."""

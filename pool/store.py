@@ -1,8 +1,8 @@
 """AdapterStore: a replica's registered adapters and where their weights come from.
 
-Registration resolves the source (local folder or hub), reads and validates the whole
-adapter, and puts it in the host tier, so every refusal happens before the pool is
-touched. ``fetch`` is what the pool calls when a slot needs weights: a host-tier hit is
+Registration resolves the source (local folder, hub repo, or object-store prefix through
+the node-local download cache), reads and validates the whole adapter, and puts it in
+the host tier, so every refusal happens before the pool is touched. ``fetch`` is what the pool calls when a slot needs weights: a host-tier hit is
 a memory copy; a miss re-reads the folder.
 """
 
@@ -15,10 +15,11 @@ from typing import Optional, Sequence
 
 import torch
 
-from .adapter import LoRAAdapterWeights, load_adapter_folder, resolve_adapter_source
+from .adapter import LoRAAdapterWeights, load_adapter_folder
 from .errors import AdapterNotFoundError
 from .host_cache import HostAdapterCache
 from .shapes import LoRAModelShape
+from .sources import SourcePolicy, resolve_adapter_source
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,7 @@ class AdapterRecord:
     folder: Path
     rank: int
     nbytes: int
+    version: Optional[str] = None   # hub commit or object-store content version; None for a local folder
 
 
 class AdapterStore:
@@ -42,13 +44,14 @@ class AdapterStore:
         host_cache_bytes: int = 1 << 30,
         allowed_roots: Sequence[str] | None = None,
         hub_orgs: Sequence[str] | None = None,
+        object_store_prefixes: Sequence[str] | None = None,
+        adapter_cache_dir: str | None = None,
     ):
         self.shape = shape
         self.max_lora_rank = max_lora_rank
         self.dtype = dtype
         self.host_cache = HostAdapterCache(host_cache_bytes)
-        self.allowed_roots = allowed_roots
-        self.hub_orgs = hub_orgs
+        self.policy = SourcePolicy.of(allowed_roots, hub_orgs, object_store_prefixes, adapter_cache_dir)
         self._records: dict[str, AdapterRecord] = {}
         self._lock = threading.Lock()
 
@@ -59,9 +62,10 @@ class AdapterStore:
         Runs without the store's lock held so loads of unrelated adapters overlap.
         """
         name = name or uid
-        folder = resolve_adapter_source(source, revision, allowed_roots=self.allowed_roots, hub_orgs=self.hub_orgs)
-        weights = load_adapter_folder(folder, self.shape, self.max_lora_rank, name=name, dtype=self.dtype)
-        record = AdapterRecord(uid, name, source, revision, folder, weights.rank, weights.nbytes)
+        resolved = resolve_adapter_source(source, revision, self.policy)
+        weights = load_adapter_folder(resolved.folder, self.shape, self.max_lora_rank, name=name, dtype=self.dtype)
+        record = AdapterRecord(uid, name, source, revision, resolved.folder, weights.rank, weights.nbytes,
+                               resolved.version)
         self.host_cache.put(uid, weights)
         with self._lock:
             self._records[uid] = record

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pool.adapter import load_adapter_folder, resolve_adapter_source
+from pool.adapter import load_adapter_folder
 from pool.errors import (
     AdapterFormatError,
     AdapterNotFoundError,
@@ -28,6 +28,7 @@ from pool.errors import (
 )
 from pool.host_cache import HostAdapterCache
 from pool.shapes import LoRAModelShape
+from pool.sources import SourcePolicy, resolve_adapter_source
 from pool.store import AdapterStore
 
 from hub_cache import add_to_hub_cache
@@ -81,7 +82,9 @@ def test_rank_above_max_names_both_numbers(demo_assets, shape):
     with pytest.raises(RankTooLargeError) as err:
         load_adapter_folder(demo_assets.adapters["demo-2"], shape, 8)  # demo-2 has rank 16
     assert "16" in str(err.value) and "8" in str(err.value)
-    assert err.value.http_status == 400
+    from deployments.http_errors import status_of
+
+    assert status_of(err.value) == 400
 
 
 def test_pickle_weights_are_refused(adapter_copy, shape):
@@ -167,11 +170,12 @@ def test_added_tokens_are_refused(adapter_copy, shape):
 
 def test_allow_lists(demo_assets, tmp_path):
     folder = demo_assets.adapters["demo-0"]
-    assert resolve_adapter_source(str(folder), allowed_roots=[str(folder.parent)]) == folder.resolve()
+    resolved = resolve_adapter_source(str(folder), policy=SourcePolicy.of(adapter_roots=[str(folder.parent)]))
+    assert (resolved.folder, resolved.kind, resolved.version) == (folder.resolve(), "local", None)
     with pytest.raises(SourceNotAllowedError):
-        resolve_adapter_source(str(folder), allowed_roots=[str(tmp_path)])
+        resolve_adapter_source(str(folder), policy=SourcePolicy.of(adapter_roots=[str(tmp_path)]))
     with pytest.raises(SourceNotAllowedError, match="evil"):
-        resolve_adapter_source("evil/adapter", hub_orgs=["good"])
+        resolve_adapter_source("evil/adapter", policy=SourcePolicy.of(hub_orgs=["good"]))
     with pytest.raises(AdapterNotFoundError):
         resolve_adapter_source("not a repo id at all")
 
@@ -183,11 +187,12 @@ def test_hub_source_from_an_offline_cache(demo_assets, tmp_path):
     add_to_hub_cache(cache, "acme/demo-adapter", demo_assets.adapters["demo-2"], "b" * 40, ref="v2")
     script = textwrap.dedent(f"""
         import json
-        from pool.adapter import resolve_adapter_source
+        from pool.sources import resolve_adapter_source
         from pool.errors import AdapterNotFoundError
         out = {{}}
         for rev in [None, "v2", "{'a' * 40}"]:
-            out[str(rev)] = json.load(open(resolve_adapter_source("acme/demo-adapter", rev) / "adapter_config.json"))["r"]
+            resolved = resolve_adapter_source("acme/demo-adapter", rev)
+            out[str(rev)] = [json.load(open(resolved.folder / "adapter_config.json"))["r"], resolved.version[:1]]
         try:
             resolve_adapter_source("acme/missing")
         except AdapterNotFoundError as e:
@@ -199,7 +204,7 @@ def test_hub_source_from_an_offline_cache(demo_assets, tmp_path):
                           cwd=Path(__file__).parents[1])
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out == {"None": 8, "v2": 16, "a" * 40: 8, "missing": True}
+    assert out == {"None": [8, "a"], "v2": [16, "b"], "a" * 40: [8, "a"], "missing": True}
 
 
 def test_store_registers_then_fetches_from_host_tier_or_disk(demo_assets, shape):
