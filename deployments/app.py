@@ -11,6 +11,8 @@ from typing import Optional
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
+from routing.ray_router import check_router_kwargs
+
 from .config import AppArgs
 from .directory_actor import AdapterDirectoryActor
 from .ingress import LoRAFleetIngress
@@ -30,10 +32,11 @@ def build_fleet(parsed: AppArgs, worker_options: Optional[dict] = None) -> Appli
         max_queued_requests=parsed.max_queued_requests,
         request_router_config=RequestRouterConfig(
             request_router_class="routing.ray_router:AdapterAffinityRouter",
-            request_router_kwargs={"load_bound_epsilon": parsed.load_bound_epsilon},
+            request_router_kwargs=parsed.router_kwargs(),
             request_routing_stats_period_s=1.0,
         ),
     )
     options.update(worker_options or {})
+    check_router_kwargs(options["request_router_config"].request_router_kwargs)
     worker = LoRAWorker.options(**options).bind(plain, directory)
     return LoRAFleetIngress.bind(plain, worker, directory)

@@ -8,12 +8,12 @@ silently ignored. Replica counts, GPUs per replica and the router class stay in 
 from __future__ import annotations
 
 import re
-from typing import Optional
+from dataclasses import fields
+from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from engine.config import EngineConfig
-from pool.eviction import EVICTION_POLICIES
 from pool.shapes import ALL_TARGET_MODULES
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
@@ -40,22 +40,30 @@ class AdapterSpec(BaseModel):
     _name = field_validator("name")(classmethod(lambda cls, v: validate_adapter_name(v)))
 
 
+Dtype = Literal["float32", "bfloat16", "float16"]
+Device = Literal["auto", "cpu", "cuda"]
+EvictionPolicyName = Literal["lru", "fifo", "sieve"]  # pool.eviction.EVICTION_POLICIES (a test keeps them equal)
+
+
 class AppArgs(BaseModel):
+    """Every setting of the application and its single set of defaults (engine and router derive from it)."""
+
     model_config = ConfigDict(extra="forbid")
 
     base_model: str = "demo"
     revision: Optional[str] = None
-    dtype: str = "float32"
-    device: Optional[str] = None
+    dtype: Dtype = "float32"
+    device: Optional[Device] = None  # None or auto: cuda when torch.cuda.is_available()
     max_loras_per_batch: int = Field(default=4, ge=1)
     max_lora_rank: int = Field(default=16, ge=1)
     target_modules: list[str] = Field(default_factory=lambda: list(ALL_TARGET_MODULES))
-    eviction_policy: str = "lru"
+    eviction_policy: EvictionPolicyName = "lru"
     host_cache_bytes: int = Field(default=1 << 30, ge=0)
     adapters: Optional[list[AdapterSpec]] = None  # None with base_model demo: the demo adapters
     max_batch_size: int = Field(default=8, ge=1)
     max_model_len: Optional[int] = Field(default=None, ge=16)
     max_tokens_limit: int = Field(default=512, ge=1)
+    max_bypass_steps: int = Field(default=16, ge=0)  # steps a blocked queue head may be bypassed (no starvation)
     load_bound_epsilon: float = Field(default=0.25, ge=0.0)
     pin_replicas: int = Field(default=1, ge=1)
     admin_token_env: str = "LORAFLEET_ADMIN_TOKEN"
@@ -67,22 +75,15 @@ class AppArgs(BaseModel):
     max_prompt_chars: int = Field(default=32_000, ge=1)
     drain_timeout_s: float = Field(default=30.0, ge=0)
 
-    @field_validator("eviction_policy")
-    @classmethod
-    def _policy(cls, v: str) -> str:
-        if v not in EVICTION_POLICIES:
-            raise ValueError(f"unknown eviction policy {v!r}; choose one of {sorted(EVICTION_POLICIES)}")
-        return v
+    def engine_config(self, replica_id: str = "local") -> EngineConfig:
+        """The engine's settings: AppArgs' fields of the same names, plus the replica's id."""
+        values = {f.name: getattr(self, f.name) for f in fields(EngineConfig) if f.name != "replica_id"}
+        values["target_modules"] = tuple(self.target_modules)
+        return EngineConfig(**values, replica_id=replica_id)
 
-    def engine_config(self, replica_id: str) -> EngineConfig:
-        return EngineConfig(
-            base_model=self.base_model, revision=self.revision, dtype=self.dtype, device=self.device,
-            max_loras_per_batch=self.max_loras_per_batch, max_lora_rank=self.max_lora_rank,
-            target_modules=tuple(self.target_modules), eviction_policy=self.eviction_policy,
-            host_cache_bytes=self.host_cache_bytes, max_batch_size=self.max_batch_size,
-            max_model_len=self.max_model_len, max_tokens_limit=self.max_tokens_limit,
-            adapter_roots=self.adapter_roots, hub_orgs=self.hub_orgs, replica_id=replica_id,
-        )
+    def router_kwargs(self) -> dict:
+        """``request_router_kwargs`` for the worker deployment (routing.ray_router checks the names)."""
+        return {"load_bound_epsilon": self.load_bound_epsilon}
 
     def startup_adapters(self) -> list[AdapterSpec]:
         if self.adapters is not None:

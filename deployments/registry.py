@@ -3,18 +3,9 @@
 from __future__ import annotations
 
 import time
-import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-
-def mint_uid(name: str) -> str:
-    """A fresh uid per registration, so late events about an old one are never mistaken for it."""
-    return f"{name}@{uuid.uuid4().hex[:8]}"
-
-
-def name_of(uid: str) -> str:
-    return uid.rsplit("@", 1)[0]
 
 
 @dataclass

@@ -1,12 +1,13 @@
-"""Request-level errors of the engine (the pool's adapter errors are in pool.errors)."""
+"""Request-level errors of the engine (the pool's adapter errors are in pool.errors).
+
+The HTTP status of each lives in the ingress (deployments/http_errors.py), not here.
+"""
 
 from pool.errors import LoRAFleetError, PoolError
 
 
 class InvalidRequestError(LoRAFleetError):
     """A request parameter is out of range; ``field`` names it (OpenAI's ``param``)."""
-
-    http_status = 400
 
     def __init__(self, field: str, message: str):
         super().__init__(message)
@@ -16,12 +17,10 @@ class InvalidRequestError(LoRAFleetError):
 class AdapterUnregisteredError(LoRAFleetError):
     """The adapter was unregistered while this request waited or ran past the drain timeout."""
 
-    http_status = 410
-
 
 class AdapterExistsError(PoolError):
-    http_status = 409
+    """The name is registered already, from another source."""
 
 
 class EngineShutdownError(LoRAFleetError):
-    http_status = 503
+    """The engine is stopping: retry on another replica."""

@@ -1,7 +1,7 @@
 """Typed errors for adapter loading and pool operations.
 
-Each names what was refused and why, so the HTTP layer can map it to a status code
-without parsing messages.
+Each names what was refused and why. Which HTTP status each family maps to is the
+ingress's business (deployments/http_errors.py): this layer knows nothing of HTTP.
 """
 
 from __future__ import annotations
@@ -21,23 +21,19 @@ class LoRAFleetError(Exception):
     keeps the message and attributes whatever the subclass's ``__init__`` takes.
     """
 
-    http_status = 500
-
     def __reduce__(self):
         return (_rebuild_error, (type(self), str(self), dict(self.__dict__)))
 
 
-# --- adapter loading and validation (4xx: the caller's adapter is wrong) ---
+# --- adapter loading and validation: the caller's adapter is wrong ---
 
 
 class AdapterError(LoRAFleetError):
-    http_status = 400
+    """The adapter itself is unusable here (format, rank, shapes, features)."""
 
 
 class AdapterNotFoundError(AdapterError):
     """Unknown adapter name/uid, or a source folder that does not exist."""
-
-    http_status = 404
 
 
 class AdapterFormatError(AdapterError):
@@ -74,20 +70,18 @@ class UnsupportedAdapterFeatureError(AdapterError):
 
 
 class SourceNotAllowedError(AdapterError):
-    http_status = 403
+    """The source lies outside the configured allow-lists (folders, hub organisations)."""
 
 
-# --- pool operations (409: valid request, pool state forbids it now) ---
+# --- pool operations: a valid request that the pool's state forbids now ---
 
 
 class PoolError(LoRAFleetError):
-    http_status = 409
+    """The pool's current state refuses the operation; it may succeed later."""
 
 
 class BatchTooLargeError(PoolError):
     """More distinct adapters in one batch than the pool has slots, pins counted."""
-
-    http_status = 400
 
 
 class NoEvictableSlotError(PoolError):

@@ -15,6 +15,7 @@ chosen for it.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import threading
 import time
@@ -59,11 +60,20 @@ class _RouterMetrics:
         self._lag.set(seconds)
 
 
+def check_router_kwargs(kwargs: dict) -> None:
+    """Refuse ``request_router_kwargs`` the router does not take, naming them (called at deploy time)."""
+    known = set(inspect.signature(AdapterAffinityRouter.initialize_state).parameters) - {"self"}
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise ValueError(f"unknown request_router_kwargs {unknown} for AdapterAffinityRouter; "
+                         f"it takes {sorted(known)}")
+
+
 class AdapterAffinityRouter(RequestRouter):
     def initialize_state(self, load_bound_epsilon: float = 0.25, min_load_bound: int = 0, placement_lookahead: int = 2,
                          spill_wait_s: float = 1.0,
                          optimistic_ttl_s: float = 3.0, directory_deployment: str = "AdapterDirectory",
-                         poll_timeout_s: float = 5.0, min_poll_interval_s: float = 0.05, **_: object) -> None:
+                         poll_timeout_s: float = 5.0, min_poll_interval_s: float = 0.05) -> None:
         self.routing_config = RoutingConfig(load_bound_epsilon=load_bound_epsilon, min_load_bound=min_load_bound,
                                             placement_lookahead=placement_lookahead, spill_wait_s=spill_wait_s)
         self.view = RouterView(ttl_s=optimistic_ttl_s)

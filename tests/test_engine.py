@@ -4,21 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import pytest
 
-from engine.config import EngineConfig
+from deployments.config import AppArgs
 from engine.engine import LoRAEngine
 from engine.errors import InvalidRequestError
 from engine.request import GenerateRequest
 from pool.errors import AdapterNotFoundError
+from waiting import wait_until
 
 
 @pytest.fixture(scope="module")
 def engine(demo_assets):
-    eng = LoRAEngine(EngineConfig(base_model=str(demo_assets.model_dir), max_loras_per_batch=3, max_lora_rank=16,
-                                  max_batch_size=8, max_model_len=256, max_tokens_limit=64))
+    eng = LoRAEngine(AppArgs(base_model=str(demo_assets.model_dir), max_loras_per_batch=3, max_lora_rank=16,
+                             max_batch_size=8, max_model_len=256, max_tokens_limit=64).engine_config())
     for name, path in demo_assets.adapters.items():
         eng.register_adapter(name, str(path))
     yield eng
@@ -130,8 +130,8 @@ def test_unregister_refuses_new_requests_at_once_and_drains_in_flight(engine, de
     worker = threading.Thread(target=lambda: results.append(
         engine.generate_blocking(GenerateRequest(adapter="temp", prompt="long", max_tokens=60))))
     worker.start()
-    while engine.registry.inflight(engine.current_uid("temp")) == 0:
-        time.sleep(0.001)
+    wait_until(lambda: engine.registry.inflight(engine.current_uid("temp")) > 0, 60, "the request to be in flight",
+               interval_s=0.001)
     uid = engine.unregister_adapter("temp", timeout_s=30)
     worker.join()
     assert results[0].finish_reason in ("length", "stop")  # it finished, it was not cancelled
@@ -184,8 +184,8 @@ def test_unregister_timeout_fails_in_flight_requests_clearly(engine, demo_assets
 
     worker = threading.Thread(target=run)
     worker.start()
-    while engine.registry.inflight(engine.current_uid("slow")) == 0:
-        time.sleep(0.001)
+    wait_until(lambda: engine.registry.inflight(engine.current_uid("slow")) > 0, 60, "the request to be in flight",
+               interval_s=0.001)
     uid = engine.unregister_adapter("slow", timeout_s=0.0)
     worker.join(timeout=30)
     assert errors and "unregistered" in str(errors[0])

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import torch
 
-from engine.config import EngineConfig
+from deployments.config import AppArgs
 from engine.demo import ensure_demo_assets
 from engine.engine import LoRAEngine
 from engine.model_runner import SeqInput
@@ -29,8 +29,8 @@ def setup(request, tmp_path_factory):
         peft_model.load_adapter(assets.adapters[name], adapter_name=name)
     peft_model.eval()
     # fewer slots than adapters, so later checks run after evictions and reloads
-    engine = LoRAEngine(EngineConfig(base_model=str(assets.model_dir), max_loras_per_batch=4, max_lora_rank=16,
-                                     replica_id=request.param))
+    engine = LoRAEngine(AppArgs(base_model=str(assets.model_dir), max_loras_per_batch=4,
+                                max_lora_rank=16).engine_config(request.param))
     for name, path in assets.adapters.items():
         engine.register_adapter(name, str(path))
     yield assets, peft_model, engine
@@ -52,13 +52,14 @@ def our_logits(engine, batch):
     with engine._step_lock:
         uids = [engine.registry.resolve(a) for a, _ in batch]
         slots = engine.pool.prepare_lora_batch(set(uids))
-        rows = [engine.cache.allocate() for _ in batch]
+        blocks = engine.cache.allocator
+        tables = [[blocks.allocate() for _ in range(blocks.blocks_for(len(ids)))] for _, ids in batch]
         try:
-            inputs = [SeqInput(r, ids, 0, slots[u]) for r, u, (_, ids) in zip(rows, uids, batch)]
+            inputs = [SeqInput(t, ids, 0, slots[u]) for t, u, (_, ids) in zip(tables, uids, batch)]
             out = engine.runner.forward(inputs, all_logits=True)
         finally:
-            for r in rows:
-                engine.cache.release(r)
+            for t in tables:
+                blocks.free(t)
             engine.pool.release_batch()
     pieces, start = [], 0
     for _, ids in batch:
@@ -127,7 +128,8 @@ def test_mistral_sliding_window_matches_transformers(tmp_path):
         if f.name.startswith(("tokenizer", "special", "chat")):
             (tmp_path / "windowed" / f.name).write_bytes(f.read_bytes())
     ref = AutoModelForCausalLM.from_pretrained(tmp_path / "windowed").eval()
-    engine = LoRAEngine(EngineConfig(base_model=str(tmp_path / "windowed"), max_loras_per_batch=2, max_lora_rank=8))
+    engine = LoRAEngine(AppArgs(base_model=str(tmp_path / "windowed"), max_loras_per_batch=2,
+                                max_lora_rank=8).engine_config())
     try:
         ids = PROMPTS[0]
         (ours,) = our_logits(engine, [(None, ids)])

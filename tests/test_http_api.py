@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import shutil
-import time
 
 import httpx
 import openai
@@ -11,32 +10,32 @@ import pytest
 import torch
 
 from conftest import ADMIN_TOKEN, FLEET_ARGS
-from engine.config import EngineConfig
+from deployments.config import AppArgs
 from engine.engine import LoRAEngine
 from engine.request import GenerateRequest
+from waiting import wait_until
 
-BASE = "http://127.0.0.1:8000"
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
 
 @pytest.fixture(scope="module")
-def client(fleet):
-    return openai.OpenAI(base_url=f"{BASE}/v1", api_key="unused", max_retries=0, timeout=60)
+def client(fleet, http_base):
+    return openai.OpenAI(base_url=f"{http_base}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 @pytest.fixture(scope="module")
 def local_engine(demo_assets):
     """The engine in this process, for 'same output as the engine's direct output'."""
-    engine = LoRAEngine(EngineConfig(base_model=str(demo_assets.model_dir), max_loras_per_batch=3,
-                                     max_lora_rank=16, max_model_len=256, max_tokens_limit=64))
+    engine = LoRAEngine(AppArgs(base_model=str(demo_assets.model_dir), max_loras_per_batch=3,
+                                max_lora_rank=16, max_model_len=256, max_tokens_limit=64).engine_config())
     for name, path in demo_assets.adapters.items():
         engine.register_adapter(name, str(path))
     yield engine
     engine.shutdown()
 
 
-def admin_state() -> dict:
-    reply = httpx.get(f"{BASE}/v1/adapters", headers=AUTH, timeout=30)
+def admin_state(base: str) -> dict:
+    reply = httpx.get(f"{base}/v1/adapters", headers=AUTH, timeout=30)
     assert reply.status_code == 200, reply.text
     body = reply.json()
     return {"data": body["data"], "resident": {r: s["resident"] for r, s in body["replicas"].items()}}
@@ -83,8 +82,8 @@ def test_streaming_completions_and_chat(client):
     assert chat_chunks[-1].choices[0].finish_reason == "length"
 
 
-def test_raw_stream_ends_with_done(fleet):
-    with httpx.stream("POST", f"{BASE}/v1/completions", timeout=30,
+def test_raw_stream_ends_with_done(fleet, http_base):
+    with httpx.stream("POST", f"{http_base}/v1/completions", timeout=30,
                       json={"model": "demo-1", "prompt": "x", "max_tokens": 3, "stream": True}) as r:
         lines = [l for l in r.iter_lines() if l]
     assert r.headers["content-type"].startswith("text/event-stream")
@@ -98,19 +97,19 @@ def test_models_list(client):
     assert {f"demo-{i}" for i in range(6)} <= set(ids)
 
 
-def test_health(fleet):
-    assert httpx.get(f"{BASE}/health", timeout=10).json()["status"] == "ok"
+def test_health(fleet, http_base):
+    assert httpx.get(f"{http_base}/health", timeout=10).json()["status"] == "ok"
 
 
-def test_admin_requires_the_bearer_token(fleet):
-    assert httpx.get(f"{BASE}/v1/adapters", timeout=10).status_code == 401
-    wrong = httpx.get(f"{BASE}/v1/adapters", headers={"Authorization": "Bearer nope"}, timeout=10)
+def test_admin_requires_the_bearer_token(fleet, http_base):
+    assert httpx.get(f"{http_base}/v1/adapters", timeout=10).status_code == 401
+    wrong = httpx.get(f"{http_base}/v1/adapters", headers={"Authorization": "Bearer nope"}, timeout=10)
     assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "unauthorized"
-    assert httpx.get(f"{BASE}/v1/adapters", headers=AUTH, timeout=10).status_code == 200
+    assert httpx.get(f"{http_base}/v1/adapters", headers=AUTH, timeout=10).status_code == 200
 
 
-def test_register_use_pin_unregister_round_trip(client):
-    made = httpx.post(f"{BASE}/v1/adapters", headers=AUTH, timeout=60,
+def test_register_use_pin_unregister_round_trip(client, http_base):
+    made = httpx.post(f"{http_base}/v1/adapters", headers=AUTH, timeout=60,
                       json={"name": "round-trip", "source": "demo:demo-8"})
     assert made.status_code == 201, made.text
     uid = made.json()["uid"]
@@ -118,29 +117,26 @@ def test_register_use_pin_unregister_round_trip(client):
     assert "round-trip" in [m.id for m in client.models.list().data]
     out = client.completions.create(model="round-trip", prompt="hi", max_tokens=3, temperature=0)
     assert out.usage.completion_tokens == 3
-    entry = next(a for a in admin_state()["data"] if a["name"] == "round-trip")
+    entry = next(a for a in admin_state(http_base)["data"] if a["name"] == "round-trip")
     assert entry["resident_on"] and entry["loads"] >= 1
 
-    pinned = httpx.post(f"{BASE}/v1/adapters/round-trip/pin", headers=AUTH, timeout=30)
+    pinned = httpx.post(f"{http_base}/v1/adapters/round-trip/pin", headers=AUTH, timeout=30)
     assert pinned.status_code == 200 and pinned.json()["pinned"] is True
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        entry = next(a for a in admin_state()["data"] if a["name"] == "round-trip")
-        if entry["pinned_on"]:
-            break
-        time.sleep(0.1)
-    assert entry["pinned"] and len(entry["pinned_on"]) == 1
-    assert httpx.post(f"{BASE}/v1/adapters/round-trip/unpin", headers=AUTH, timeout=30).json()["pinned"] is False
+    def pinned_entry():
+        entry = next(a for a in admin_state(http_base)["data"] if a["name"] == "round-trip")
+        return entry if entry["pinned_on"] else None
 
-    gone = httpx.delete(f"{BASE}/v1/adapters/round-trip", headers=AUTH, timeout=30)
+    entry = wait_until(pinned_entry, 60, "round-trip to be pinned on a replica")
+    assert entry["pinned"] and len(entry["pinned_on"]) == 1
+    assert httpx.post(f"{http_base}/v1/adapters/round-trip/unpin", headers=AUTH, timeout=30).json()["pinned"] is False
+
+    gone = httpx.delete(f"{http_base}/v1/adapters/round-trip", headers=AUTH, timeout=30)
     assert gone.status_code == 200 and gone.json()["uid"] == uid
-    assert "round-trip" not in [a["name"] for a in admin_state()["data"]]
+    assert "round-trip" not in [a["name"] for a in admin_state(http_base)["data"]]
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="round-trip", prompt="hi", max_tokens=3)
-    deadline = time.monotonic() + 10  # workers drain and unload it everywhere
-    while time.monotonic() < deadline and any(uid in res for res in admin_state()["resident"].values()):
-        time.sleep(0.1)
-    assert not any(uid in res for res in admin_state()["resident"].values())
+    wait_until(lambda: not any(uid in res for res in admin_state(http_base)["resident"].values()), 60,
+               "workers to drain and unload round-trip everywhere")
 
 
 @pytest.fixture(scope="module")
@@ -200,36 +196,36 @@ def _bad_cases(bad):
     ]
 
 
-def test_every_bad_input_gets_its_status_and_changes_nothing(fleet, bad_adapters):
-    before = admin_state()
+def test_every_bad_input_gets_its_status_and_changes_nothing(fleet, bad_adapters, http_base):
+    before = admin_state(http_base)
     for method, path, body, status, needle in _bad_cases(bad_adapters):
-        reply = httpx.request(method, f"{BASE}{path}", json=body, headers=AUTH, timeout=60)
+        reply = httpx.request(method, f"{http_base}{path}", json=body, headers=AUTH, timeout=60)
         assert reply.status_code == status, (path, body, reply.text[:300])
         error = reply.json()["error"]
         assert needle in error["message"] or needle == error.get("param"), (needle, error)
         if status == 429 or status == 503:
             assert "retry-after" in reply.headers
-    rank_error = httpx.post(f"{BASE}/v1/adapters", headers=AUTH, timeout=60,
+    rank_error = httpx.post(f"{http_base}/v1/adapters", headers=AUTH, timeout=60,
                             json={"name": "big", "source": bad_adapters["big"]}).json()["error"]["message"]
     assert "32" in rank_error and str(FLEET_ARGS["max_lora_rank"]) in rank_error  # both numbers
-    assert admin_state() == before
+    assert admin_state(http_base) == before
 
 
-def test_pinning_the_last_free_slot_is_refused(fleet):
-    pin = lambda name: httpx.post(f"{BASE}/v1/adapters/{name}/pin", headers=AUTH, json={"replicas": 2}, timeout=30)
+def test_pinning_the_last_free_slot_is_refused(fleet, http_base):
+    pin = lambda name: httpx.post(f"{http_base}/v1/adapters/{name}/pin", headers=AUTH, json={"replicas": 2}, timeout=30)
     try:
         assert pin("demo-0").status_code == 200
         assert pin("demo-1").status_code == 200  # 2 of 3 slots pinned on both replicas
-        before = admin_state()
+        before = admin_state(http_base)
         refused = pin("demo-2")
         assert refused.status_code == 409 and "at least one slot" in refused.json()["error"]["message"]
-        assert [a["pinned"] for a in admin_state()["data"]] == [a["pinned"] for a in before["data"]]
+        assert [a["pinned"] for a in admin_state(http_base)["data"]] == [a["pinned"] for a in before["data"]]
     finally:
         for name in ["demo-0", "demo-1"]:
-            httpx.post(f"{BASE}/v1/adapters/{name}/unpin", headers=AUTH, timeout=30)
+            httpx.post(f"{http_base}/v1/adapters/{name}/unpin", headers=AUTH, timeout=30)
 
 
-def test_second_app_admin_off_and_queue_bound_gives_429(ray_cluster, fleet):
+def test_second_app_admin_off_and_queue_bound_gives_429(ray_cluster, fleet, http_base):
     """A second app: no admin token configured (403), and a queue bound of 2 (429 + Retry-After)."""
     import concurrent.futures
 
@@ -243,14 +239,14 @@ def test_second_app_admin_off_and_queue_bound_gives_429(ray_cluster, fleet):
     serve.run(build_fleet(args, {"num_replicas": 1, "ray_actor_options": {"num_cpus": 1}}),
               name="lorafleet-noadmin", route_prefix="/noadmin")
     try:
-        reply = httpx.get(f"{BASE}/noadmin/v1/adapters", headers=AUTH, timeout=30)
+        reply = httpx.get(f"{http_base}/noadmin/v1/adapters", headers=AUTH, timeout=30)
         assert reply.status_code == 403
         assert "LORAFLEET_TEST_UNSET_TOKEN" in reply.json()["error"]["message"]
-        models = httpx.get(f"{BASE}/noadmin/v1/models", timeout=30).json()
+        models = httpx.get(f"{http_base}/noadmin/v1/models", timeout=30).json()
         assert [m["id"] for m in models["data"]] == ["demo"]
 
         def one(_):
-            return httpx.post(f"{BASE}/noadmin/v1/completions", timeout=120,
+            return httpx.post(f"{http_base}/noadmin/v1/completions", timeout=120,
                               json={"model": "demo", "prompt": "load", "max_tokens": 64, "temperature": 0})
 
         with concurrent.futures.ThreadPoolExecutor(16) as pool:

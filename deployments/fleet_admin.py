@@ -1,0 +1,104 @@
+"""Fleet-wide adapter administration: register, unregister, pin, unpin, list.
+
+A registration is validated on a worker (the real shapes and limits), then published
+through the directory, whose registry every worker and ingress follows.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from engine.errors import AdapterExistsError
+from pool.errors import AdapterNotFoundError, PinRefusedError
+from routing.identity import mint_uid
+from routing.pins import overfull_pin_replica
+
+from .config import AdapterSpec
+from .registry import RegistryEntry, RegistryFollower
+
+
+class FleetAdmin:
+    def __init__(self, worker, directory, registry: RegistryFollower, slots: int, pin_replicas: int):
+        self.worker = worker
+        self.directory = directory
+        self.registry = registry
+        self.slots = slots
+        self.pin_replicas = pin_replicas
+
+    def entry(self, name: str) -> RegistryEntry:
+        entry = self.registry.entries.get(name)
+        if entry is None:
+            raise AdapterNotFoundError(f"adapter {name!r} is not registered")
+        return entry
+
+    async def check_registered(self, name: Optional[str]) -> None:
+        """404 for an unknown adapter; a name registered a moment ago is looked up once more."""
+        if name is not None and name not in self.registry.entries:
+            await self.registry.refresh()
+            self.entry(name)
+
+    async def register(self, spec: AdapterSpec) -> dict:
+        current = self.registry.entries.get(spec.name)
+        if current is not None:
+            if (current.source, current.revision) == (spec.source, spec.revision):
+                return current.to_dict()
+            raise AdapterExistsError(f"adapter {spec.name!r} is already registered from {current.source!r}; "
+                                     f"unregister it first")
+        replicas = spec.replicas or self.pin_replicas
+        if spec.pinned:
+            self.check_pin_capacity(spec.name, replicas)
+        uid = mint_uid(spec.name)
+        facts = await self.worker.validate_adapter.remote(spec.name, spec.source, spec.revision, uid)
+        entry = RegistryEntry(name=spec.name, uid=uid, source=spec.source, revision=spec.revision,
+                              pinned=spec.pinned, replicas=replicas, rank=facts["rank"])
+        stored = await self.directory.put_adapter.remote(entry.to_dict())
+        await self.registry.refresh()
+        if stored["uid"] != uid:
+            raise AdapterExistsError(f"adapter {spec.name!r} was registered concurrently from {stored['source']!r}")
+        return stored
+
+    async def unregister(self, name: str) -> dict:
+        removed = await self.directory.remove_adapter.remote(name)
+        self.registry.entries.pop(name, None)  # refuse new requests here at once
+        return {"name": name, "uid": removed["uid"], "status": "unregistered"}
+
+    async def pin(self, name: str, replicas: Optional[int] = None) -> dict:
+        entry = self.entry(name)
+        replicas = replicas or entry.replicas
+        self.check_pin_capacity(name, replicas)
+        result = await self.directory.set_pinned.remote(name, True, replicas)
+        await self.registry.refresh()
+        return result
+
+    async def unpin(self, name: str) -> dict:
+        self.entry(name)
+        result = await self.directory.set_pinned.remote(name, False)
+        await self.registry.refresh()
+        return result
+
+    def check_pin_capacity(self, name: str, replicas: int) -> None:
+        """Refuse a pin that would leave some replica with no unpinned slot (each pool's guard)."""
+        others = [(e.name, e.replicas) for e in self.registry.entries.values() if e.pinned and e.name != name]
+        full = overfull_pin_replica(name, replicas, others, self.registry.replicas, self.slots)
+        if full is not None:
+            replica, pinned = full
+            raise PinRefusedError(f"cannot pin {name!r}: replica {replica} already pins {pinned} of its {self.slots} "
+                                  f"slots and at least one slot must stay unpinned")
+
+    async def describe(self) -> dict:
+        """Registry entries with residency, pins, loads and evictions per adapter, and each replica's pool."""
+        await self.registry.refresh()
+        view = await self.directory.view.remote()
+        counts = await self.directory.adapter_counts.remote()
+        replicas = view["replicas"]
+        data = []
+        for entry in self.registry.entries.values():
+            resident = sorted(r for r, s in replicas.items() if entry.uid in s["resident"])
+            pinned_on = sorted(r for r, s in replicas.items() if entry.uid in s["pinned"])
+            c = counts.get(entry.uid, {})
+            data.append({**entry.to_dict(), "object": "adapter", "resident_on": resident, "pinned_on": pinned_on,
+                         "loads": c.get("load", 0), "evictions": c.get("evict", 0)})
+        data.sort(key=lambda d: d["name"])
+        summary = {r: {k: s[k] for k in ("slots", "free_slots", "resident", "pinned", "queue_len", "seq")}
+                   for r, s in replicas.items()}
+        return {"object": "list", "data": data, "replicas": summary}

@@ -1,0 +1,72 @@
+"""OpenAI-compatible routes: completions, chat completions, models, health."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from engine.errors import InvalidRequestError
+from engine.request import GenerateRequest
+
+from .openai_protocol import ChatCompletionRequest, CompletionRequest, completion_body, new_id, to_generate_request
+from .sse import completion_events
+
+
+def openai_router(ingress) -> APIRouter:
+    """Routes bound to one ``LoRAFleetIngress`` replica (its registry, limiter and worker handles)."""
+    router = APIRouter()
+    args = ingress.args
+
+    def adapter_for_model(model: str):
+        return None if model in (args.base_model, "", "base") else model
+
+    async def respond(body, chat: bool):
+        request = to_generate_request(body, adapter_for_model(body.model), args.max_tokens_limit)
+        prompt_chars = len(request.prompt or "") + sum(len(m["content"]) for m in request.messages or [])
+        if prompt_chars > args.max_prompt_chars:
+            raise InvalidRequestError("prompt", f"prompt of {prompt_chars} characters exceeds the limit of "
+                                                f"{args.max_prompt_chars}")
+        await ingress.admin.check_registered(request.adapter)
+        rid = new_id("chatcmpl" if chat else "cmpl")
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return await stream(request, body.model, rid, chat, include_usage)
+        result = await ingress.limiter.call(ingress.worker.generate.remote(request))
+        return JSONResponse(completion_body(result, body.model, rid, chat),
+                            headers={"x-lorafleet-replica": result.replica_id or ""})
+
+    async def stream(request: GenerateRequest, model: str, rid: str, chat: bool, include_usage: bool):
+        limiter = ingress.limiter
+        limiter.acquire()
+        try:
+            rest = ingress.worker_stream.generate_stream.remote(request).__aiter__()
+            first = await limiter.first(rest.__anext__())  # errors before the first token -> statuses
+        except BaseException:
+            limiter.release()
+            raise
+        return StreamingResponse(completion_events(first, rest, model, rid, chat, include_usage, limiter.release),
+                                 media_type="text/event-stream")
+
+    @router.post("/v1/completions")
+    async def completions(body: CompletionRequest):
+        return await respond(body, chat=False)
+
+    @router.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest):
+        return await respond(body, chat=True)
+
+    @router.get("/v1/models")
+    async def models():
+        await ingress.registry.refresh()
+        data = [{"id": args.base_model, "object": "model", "created": 0, "owned_by": "lorafleet",
+                 "root": args.base_model, "parent": None}]
+        for entry in sorted(ingress.registry.entries.values(), key=lambda e: e.name):
+            data.append({"id": entry.name, "object": "model", "created": int(entry.created), "owned_by": "lorafleet",
+                         "root": entry.source, "parent": args.base_model})
+        return {"object": "list", "data": data}
+
+    @router.get("/health")
+    async def health():
+        return {"status": "ok", "replicas": len(ingress.registry.replicas)}
+
+    return router
