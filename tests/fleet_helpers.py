@@ -1,45 +1,58 @@
-"""Helpers for integration tests against the deployed app."""
+"""Helpers for integration tests against a deployed lorafleet app (the shared one by default)."""
 
 from __future__ import annotations
 
-import time
-
 from ray import serve
 
+from conftest import FLEET_APP
 from engine.request import ReplicaTarget
+from waiting import wait_until
 
 
-def directory():
-    return serve.get_deployment_handle("AdapterDirectory", app_name="lorafleet")
+def directory(app: str = FLEET_APP):
+    return serve.get_deployment_handle("AdapterDirectory", app_name=app)
 
 
-def workers():
-    return serve.get_deployment_handle("LoRAWorker", app_name="lorafleet")
+def workers(app: str = FLEET_APP):
+    return serve.get_deployment_handle("LoRAWorker", app_name=app)
 
 
-def live_replicas(min_count: int = 1, timeout_s: float = 30.0) -> list[str]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        replicas = sorted(directory().view.remote().result()["replicas"])
-        if len(replicas) >= min_count or time.monotonic() > deadline:
-            return replicas
-        time.sleep(0.2)
+def view_replicas(app: str = FLEET_APP) -> dict[str, dict]:
+    """The directory's current view: replica id -> its state."""
+    return directory(app).view.remote().result(timeout_s=30)["replicas"]
 
 
-def real_pool(replica_id: str) -> dict:
-    return workers().pool_state.remote(ReplicaTarget(replica_id)).result()
+def live_replicas(min_count: int = 1, app: str = FLEET_APP, timeout_s: float = 60.0) -> list[str]:
+    """The replicas the directory knows, once there are at least ``min_count`` (fails after ``timeout_s``)."""
+    def enough() -> list[str]:
+        ids = sorted(view_replicas(app))
+        return ids if len(ids) >= min_count else []
+
+    return wait_until(enough, timeout_s, f"{min_count} replicas in {app}'s directory")
 
 
-def view_matches_pools(timeout_s: float = 1.0) -> tuple[bool, float]:
-    """Whether, within ``timeout_s``, the directory's residency equals every worker's real pool."""
-    start = time.monotonic()
-    while True:
-        view = directory().view.remote().result()["replicas"]
-        ok = all(
-            view[r]["resident"] == real_pool(r)["resident"] and set(view[r]["pinned"]) == set(real_pool(r)["pinned"])
-            for r in view
-        )
-        elapsed = time.monotonic() - start
-        if ok or elapsed > timeout_s:
-            return ok, elapsed
-        time.sleep(0.02)
+def real_pool(replica_id: str, app: str = FLEET_APP) -> dict:
+    return workers(app).pool_state.remote(ReplicaTarget(replica_id)).result(timeout_s=30)
+
+
+def view_differences(app: str = FLEET_APP) -> list[str]:
+    """Where the directory's residency and pins differ from the workers' real pools ([] = equal)."""
+    found = []
+    for replica, state in view_replicas(app).items():
+        pool = real_pool(replica, app)
+        if state["resident"] != pool["resident"]:
+            found.append(f"{replica} resident: view {state['resident']} != pool {pool['resident']}")
+        if set(state["pinned"]) != set(pool["pinned"]):
+            found.append(f"{replica} pinned: view {sorted(state['pinned'])} != pool {sorted(pool['pinned'])}")
+    return found
+
+
+def wait_for_view_to_match_pools(app: str = FLEET_APP, timeout_s: float = 30.0) -> None:
+    """Wait until the directory's view equals every worker's real pool; fail naming what still differs."""
+    differences: list[str] = []
+
+    def equal() -> bool:
+        differences[:] = view_differences(app)
+        return not differences
+
+    wait_until(equal, timeout_s, f"{app}'s directory view to equal the real pools", detail=lambda: differences)

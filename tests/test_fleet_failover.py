@@ -1,50 +1,66 @@
-"""Killing a worker: the directory forgets it and its adapters' later requests go elsewhere."""
+"""Killing a worker or the directory, each on a throwaway app of its own (never the shared fleet).
+
+A killed worker leaves the directory's view and its adapters' later requests go elsewhere; a
+killed directory comes back with the same registry (names and uids) and the workers' pools.
+"""
 
 from __future__ import annotations
 
-import time
-
+import pytest
 import ray
+from ray import serve
+from ray.exceptions import RayError
 
+from conftest import deploy_fleet
 from engine.request import GenerateRequest
-from fleet_helpers import directory, live_replicas
+from fleet_helpers import directory, live_replicas, view_replicas
+from waiting import wait_until
 
 
-def test_killed_worker_leaves_the_view_and_traffic_moves(fleet):
-    replicas = live_replicas(2)
-    served = fleet.generate.remote(GenerateRequest(adapter="demo-3", prompt="x", max_tokens=2)).result()
+@pytest.fixture
+def own_fleet(request, ray_cluster, demo_assets):
+    """A two-worker lorafleet app with its own directory, named after the test; deleted afterwards."""
+    app = f"failover-{request.node.name.replace('_', '-')}"[:60]
+    handle = deploy_fleet(demo_assets, app, route_prefix=None)
+    yield app, handle
+    serve.delete(app)
+
+
+def registry(handle) -> dict[str, str]:
+    return {e["name"]: e["uid"] for e in handle.list_adapters.remote().result(timeout_s=30)["data"]}
+
+
+def directory_epoch(app: str) -> str:
+    """The directory's epoch: a fresh one after every restart."""
+    return directory(app).get_changes.remote(-1, 0.0).result(timeout_s=10)["epoch"]
+
+
+def test_killed_worker_leaves_the_view_and_traffic_moves(own_fleet):
+    app, handle = own_fleet
+    replicas = live_replicas(2, app)
+    served = handle.generate.remote(GenerateRequest(adapter="demo-3", prompt="x", max_tokens=2)).result()
     victim = served.replica_id
-    actor = ray.get_actor(f"SERVE_REPLICA::lorafleet#LoRAWorker#{victim}", namespace="serve")
-    ray.kill(actor, no_restart=True)
-    deadline = time.monotonic() + 30
-    while victim in directory().view.remote().result()["replicas"] and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert victim not in directory().view.remote().result()["replicas"]
+    ray.kill(ray.get_actor(f"SERVE_REPLICA::{app}#LoRAWorker#{victim}", namespace="serve"), no_restart=True)
+    wait_until(lambda: victim not in view_replicas(app), 60, f"the directory to forget killed worker {victim}")
     for _ in range(5):
-        result = fleet.generate.remote(GenerateRequest(adapter="demo-3", prompt="x", max_tokens=2)).result()
+        result = handle.generate.remote(GenerateRequest(adapter="demo-3", prompt="x", max_tokens=2)).result()
         assert result.replica_id != victim
     survivors = set(replicas) - {victim}
-    assert survivors & set(live_replicas(1))
+    assert survivors & set(live_replicas(1, app))
 
 
-def test_registry_survives_a_directory_restart(fleet):
-
-    before = {e["name"]: e["uid"] for e in fleet.list_adapters.remote().result()["data"]}
-    actor_names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                   if "AdapterDirectory" in a["name"]]
-    assert len(actor_names) == 1
-    ray.kill(ray.get_actor(actor_names[0], namespace="serve"), no_restart=True)
-    deadline = time.monotonic() + 60
-    after = None
-    while time.monotonic() < deadline:
-        try:
-            after = {e["name"]: e["uid"] for e in fleet.list_adapters.remote().result(timeout_s=10)["data"]}
-            if directory().view.remote().result(timeout_s=10)["replicas"]:
-                break
-        except Exception:  # the directory is restarting
-            pass
-        time.sleep(0.5)
-    assert after == before  # same names, same uids: restored from the GCS key-value store
-    assert live_replicas(1)  # workers re-reported their pools to the new directory
-    result = fleet.generate.remote(GenerateRequest(adapter="demo-2", prompt="after", max_tokens=2)).result()
+def test_registry_survives_a_directory_restart(own_fleet):
+    app, handle = own_fleet
+    live_replicas(2, app)
+    before = registry(handle)
+    assert {f"demo-{i}" for i in range(6)} <= set(before)
+    prefix = f"SERVE_REPLICA::{app}#AdapterDirectory#"
+    (name,) = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
+    old_epoch = directory_epoch(app)
+    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+    # a new directory (new epoch) that workers have re-reported to
+    wait_until(lambda: directory_epoch(app) != old_epoch and len(view_replicas(app)) == 2, 120,
+               f"{app}'s directory to restart and hear from both workers", retry_on=(RayError, TimeoutError))
+    assert registry(handle) == before  # same names, same uids: restored from the GCS key-value store
+    result = handle.generate.remote(GenerateRequest(adapter="demo-2", prompt="after", max_tokens=2)).result()
     assert result.completion_tokens == 2

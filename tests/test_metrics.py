@@ -1,21 +1,24 @@
-"""After traffic, the lorafleet metrics are on Ray's Prometheus endpoint with sensible values."""
+"""After traffic, every series the Grafana dashboard queries is on Ray's Prometheus endpoint, with sensible values."""
 
 from __future__ import annotations
 
+import json
 import re
-import time
 from collections import defaultdict
+from pathlib import Path
 
 import httpx
 
-from conftest import FLEET_ARGS, METRICS_PORT
+from conftest import FLEET_ARGS
 from engine.request import GenerateRequest
+from waiting import wait_until
 
 LINE = re.compile(r'^(ray_lorafleet_\w+)(?:\{(.*)\})?\s+([0-9.eE+-]+|NaN)$')
+DASHBOARD = Path(__file__).resolve().parents[1] / "manifests" / "grafana-dashboard.json"
 
 
-def scrape() -> dict[str, list[tuple[dict, float]]]:
-    text = httpx.get(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10).text
+def scrape(url: str) -> dict[str, list[tuple[dict, float]]]:
+    text = httpx.get(url, timeout=10).text
     series = defaultdict(list)
     for line in text.splitlines():
         match = LINE.match(line)
@@ -29,28 +32,35 @@ def total(series, name, **labels) -> float:
     return sum(v for l, v in series.get(name, []) if all(l.get(k) == want for k, want in labels.items()))
 
 
-def test_metrics_after_traffic(fleet):
+def dashboard_series() -> set[str]:
+    """Every lorafleet series name the dashboard's panels query."""
+    dashboard = json.loads(DASHBOARD.read_text(encoding="utf-8"))
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    return {name for expr in exprs for name in re.findall(r"\b\w*lorafleet_\w+", expr)}
+
+
+def test_metrics_after_traffic(fleet, metrics_url):
     for extra in ["demo-6", "demo-7"]:
         fleet.register_adapter.remote(extra, f"demo:{extra}").result()
     adapters = [None, *[f"demo-{i}" for i in range(8)]]  # more than 2 replicas x 3 slots: evictions
     for i in range(40):
         adapter = adapters[(i // 2) % len(adapters)]  # each adapter twice in a row: the second is a hit
         fleet.generate.remote(GenerateRequest(adapter=adapter, prompt="m", max_tokens=2)).result()
-    wanted = ["pool_slots", "pool_slots_used", "pool_pinned", "adapter_loads_total", "adapter_evictions_total",
-              "pool_hits_total", "pool_misses_total", "adapter_load_seconds_count", "host_cache_bytes",
-              "host_cache_hits_total", "router_decisions_total", "router_view_lag_seconds",
-              "directory_events_total", "directory_replicas"]
-    deadline = time.monotonic() + 60
-    while True:
-        series = scrape()
-        missing = [w for w in wanted if f"ray_lorafleet_{w}" not in series]
-        settled = total(series, "ray_lorafleet_adapter_load_seconds_count") == total(
-            series, "ray_lorafleet_adapter_loads_total")  # both are pushed once a second: wait for one snapshot
-        if (not missing and total(series, "ray_lorafleet_adapter_evictions_total") > 0 and settled) \
-                or time.monotonic() > deadline:
-            break
-        time.sleep(1)
-    assert not missing, missing
+    wanted = dashboard_series()
+    assert len(wanted) >= 14, wanted  # the dashboard shows every metric (tests/test_manifests.py)
+    missing: list[str] = []
+
+    def settled():
+        """A scrape with every series, the evictions, and one snapshot's worth of loads (pushed once a second)."""
+        series = scrape(metrics_url)
+        missing[:] = sorted(w for w in wanted if w not in series)
+        loads = total(series, "ray_lorafleet_adapter_loads_total")
+        ok = (not missing and total(series, "ray_lorafleet_adapter_evictions_total") > 0
+              and total(series, "ray_lorafleet_adapter_load_seconds_count") == loads)
+        return series if ok else None
+
+    series = wait_until(settled, 90, "every dashboard series on the metrics endpoint", interval_s=1.0,
+                        detail=lambda: f"missing {missing}")
     workers = [l for l, _ in series["ray_lorafleet_pool_slots"] if l.get("deployment") == "LoRAWorker"]
     assert workers and all(v == FLEET_ARGS["max_loras_per_batch"] for _, v in series["ray_lorafleet_pool_slots"])
     assert all(0 <= v <= FLEET_ARGS["max_loras_per_batch"] for _, v in series["ray_lorafleet_pool_slots_used"])

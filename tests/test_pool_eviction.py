@@ -58,10 +58,6 @@ def test_unknown_policy_names_the_choices():
     assert "'random'" in str(err.value) and "fifo" in str(err.value) and "lru" in str(err.value)
 
 
-def test_default_policy_is_lru():
-    assert isinstance(get_eviction_policy(), LRUEvictionPolicy)
-
-
 def test_lru_and_fifo_differ_exactly_where_use_refreshes():
     seq = ["a", "b", "c", "a"]  # a is reused after c
     lru, fifo = LRUEvictionPolicy(), FIFOEvictionPolicy()

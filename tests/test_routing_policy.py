@@ -72,15 +72,40 @@ def test_base_model_requests_go_least_loaded():
     assert decision.kind == "base" and decision.tiers[0] == [3, 1]
 
 
-def test_two_routers_with_the_same_view_agree():
-    rng = np.random.default_rng(0)
-    for _ in range(200):
-        loads = rng.integers(0, 6, 8).astype(float)
-        holders = {f"a{i}": set(rng.choice(8, 2, replace=False).tolist()) for i in range(5)}
-        adapter = f"a{rng.integers(0, 8)}"
-        first = choose_replicas(adapter, FleetView(IDS, holders=holders), loads)
-        second = choose_replicas(adapter, FleetView(tuple(IDS), holders=dict(holders)), loads.copy())
-        assert first.tiers == second.tiers and first.kind == second.kind
+DECISIONS = """
+import json
+import numpy as np
+from routing.policy import FleetView, choose_replicas
+rng = np.random.default_rng(0)
+ids = tuple(f"replica-{i}" for i in range(8))
+out = []
+for _ in range(300):
+    loads = rng.integers(0, 6, 8).astype(float)
+    holders = {f"a{i}": set(rng.choice(8, 2, replace=False).tolist()) for i in range(5)}
+    warm = {f"a{i}": set(rng.choice(8, 1).tolist()) for i in range(5, 8)}
+    view = FleetView(ids, holders=holders, warm=warm, free_slots=rng.integers(0, 2, 8))
+    d = choose_replicas(f"a{rng.integers(0, 10)}", view, loads, waited_s=float(rng.choice([0.0, 5.0])))
+    out.append([d.kind, [[int(i) for i in tier] for tier in d.tiers]])
+print(json.dumps(out))
+"""
+
+
+def test_routers_in_processes_with_different_hash_seeds_agree():
+    """Each handle's router runs in its own process: from the same view they must all choose alike,
+    so nothing in the decision may depend on Python's per-process string hashing or set order."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    runs = []
+    for seed in ("1", "2"):
+        proc = subprocess.run([sys.executable, "-c", DECISIONS], env={**os.environ, "PYTHONHASHSEED": seed},
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        runs.append(json.loads(proc.stdout))
+    assert runs[0] == runs[1]
+    assert {kind for kind, _ in runs[0]} >= {"affinity", "placement", "spill"}  # every path was exercised
 
 
 def test_first_choice_always_respects_the_load_bound():
