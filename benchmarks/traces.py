@@ -168,5 +168,5 @@ def top_share(adapters: np.ndarray, num_adapters: int, fraction: float = 0.1) ->
 
 
 def standard_popularities() -> list[Popularity]:
-    """The settings DESIGN.md names: S-LoRA alpha in {0.1, 0.3, 0.6, 1.0}, Zipf s in {0.8, 1.0, 1.2}."""
+    """The settings docs/design.md names: S-LoRA alpha in {0.1, 0.3, 0.6, 1.0}, Zipf s in {0.8, 1.0, 1.2}."""
     return [Popularity("power", a) for a in (0.1, 0.3, 0.6, 1.0)] + [Popularity("zipf", s) for s in (0.8, 1.0, 1.2)]

@@ -1,6 +1,6 @@
 """LoRAMemoryPool: a fixed number of adapter slots in accelerator memory.
 
-Semantics follow SGLang's ``mem_pool.py`` (see DESIGN.md "Pool semantics"): the base model
+Semantics follow SGLang's ``mem_pool.py`` (see docs/design.md, "The pool"): the base model
 (uid ``None``) takes a real, all-zero slot; a batch's adapters are never victims; pinned
 adapters are never victims; victims are chosen by the eviction policy, adapters before the
 base slot. Every operation checks everything it can before it changes anything, so a
