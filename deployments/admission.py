@@ -1,14 +1,27 @@
-"""The ingress's own bound on requests in flight, and its per-request timeout.
+"""The ingress's own bound on requests in flight, its timeouts, and its one retry.
 
 The workers' bound is Serve's ``max_queued_requests``; this one keeps a flood from piling
-up in the ingress before any worker refuses it.
+up in the ingress before any worker refuses it. A request whose replica died before it
+produced anything is retried once on another replica: nothing was sent to the client yet.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+from typing import Awaitable, Callable, TypeVar
 
 from .http_errors import HTTPError
+
+log = logging.getLogger("ray.serve")
+T = TypeVar("T")
+
+
+def replica_lost(exc: BaseException) -> bool:
+    """The replica serving the call died or became unreachable (not an error of the request)."""
+    from ray.exceptions import RayActorError
+
+    return isinstance(exc, RayActorError)
 
 
 class RequestLimiter:
@@ -16,6 +29,7 @@ class RequestLimiter:
         self.max_inflight = max_inflight
         self.timeout_s = timeout_s
         self.inflight = 0
+        self.retries = 0
 
     def acquire(self) -> None:
         """Take a place, or 429 at once when the ingress is full (before any work is done)."""
@@ -27,23 +41,36 @@ class RequestLimiter:
     def release(self) -> None:
         self.inflight -= 1
 
-    async def call(self, response):
-        """Await a worker's response under the bound and the timeout; a refused or late one is cancelled."""
+    async def call(self, start: Callable[[], object]):
+        """Await a worker's response (``start()`` makes the call) under the bound and the timeout."""
+        self.acquire()
         try:
-            self.acquire()
-        except HTTPError:
-            response.cancel()
-            raise
-        try:
-            return await self.first(response)
-        except HTTPError:
-            response.cancel()
-            raise
+            return await self.first_result(start, lambda response: response)
         finally:
             self.release()
 
-    async def first(self, awaitable):
-        """Await ``awaitable`` under the timeout; Serve's full queues become a 429 rather than its 503."""
+    async def first_result(self, start: Callable[[], object], first: Callable[[object], Awaitable[T]]) -> T:
+        """``first(start())`` under the timeout, once more on a fresh call if the replica was lost."""
+        try:
+            return await self._attempt(start, first)
+        except BaseException as exc:
+            if not replica_lost(exc):
+                raise
+            self.retries += 1
+            log.warning("lorafleet ingress: replica lost before the first token (%r); retrying once", exc)
+        return await self._attempt(start, first)
+
+    async def _attempt(self, start: Callable[[], object], first: Callable[[object], Awaitable[T]]) -> T:
+        """A late or failed call is cancelled, so its work stops in the engine too."""
+        response = start()
+        try:
+            return await self.within_timeout(first(response))
+        except BaseException:
+            response.cancel()
+            raise
+
+    async def within_timeout(self, awaitable):
+        """Await under the request timeout; Serve's full queues become a 429 rather than its 503."""
         from ray.serve.exceptions import BackPressureError
 
         try:

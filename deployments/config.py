@@ -71,6 +71,7 @@ class AppArgs(BaseModel):
     hub_orgs: Optional[list[str]] = None
     max_queued_requests: int = Field(default=256, ge=1)
     request_timeout_s: float = Field(default=120.0, gt=0)
+    stream_idle_timeout_s: float = Field(default=60.0, gt=0)  # a stream with no token for this long is closed
     max_body_bytes: int = Field(default=1 << 20, ge=1024)
     max_prompt_chars: int = Field(default=32_000, ge=1)
     drain_timeout_s: float = Field(default=30.0, ge=0)

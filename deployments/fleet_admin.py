@@ -6,6 +6,8 @@ through the directory, whose registry every worker and ingress follows.
 
 from __future__ import annotations
 
+import asyncio
+import time
 from typing import Optional
 
 from engine.errors import AdapterExistsError
@@ -16,6 +18,8 @@ from routing.pins import overfull_pin_replica
 from .config import AdapterSpec
 from .registry import RegistryEntry, RegistryFollower
 
+MISS_REFRESH_INTERVAL_S = 0.5
+
 
 class FleetAdmin:
     def __init__(self, worker, directory, registry: RegistryFollower, slots: int, pin_replicas: int):
@@ -24,6 +28,8 @@ class FleetAdmin:
         self.registry = registry
         self.slots = slots
         self.pin_replicas = pin_replicas
+        self._refreshing: Optional[asyncio.Future] = None
+        self._refreshed_at = float("-inf")
 
     def entry(self, name: str) -> RegistryEntry:
         entry = self.registry.entries.get(name)
@@ -32,10 +38,29 @@ class FleetAdmin:
         return entry
 
     async def check_registered(self, name: Optional[str]) -> None:
-        """404 for an unknown adapter; a name registered a moment ago is looked up once more."""
-        if name is not None and name not in self.registry.entries:
-            await self.registry.refresh()
-            self.entry(name)
+        """404 for an unknown adapter without a directory call per request.
+
+        The registry follows the directory's long poll; a miss only triggers a refresh when none
+        ran in the last ``MISS_REFRESH_INTERVAL_S`` (concurrent misses share one), so a flood of
+        bogus names costs the directory at most a few calls a second.
+        """
+        if name is None or name in self.registry.entries:
+            return
+        await self._refresh_after_miss()
+        self.entry(name)
+
+    async def _refresh_after_miss(self) -> None:
+        if self._refreshing is not None:
+            await asyncio.shield(self._refreshing)
+            return
+        if time.monotonic() - self._refreshed_at < MISS_REFRESH_INTERVAL_S:
+            return
+        self._refreshing = asyncio.ensure_future(self.registry.refresh())
+        try:
+            await asyncio.shield(self._refreshing)
+        finally:
+            self._refreshing = None
+            self._refreshed_at = time.monotonic()
 
     async def register(self, spec: AdapterSpec) -> dict:
         current = self.registry.entries.get(spec.name)

@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
+from ray.exceptions import RayActorError
 
 from engine.errors import AdapterExistsError, AdapterUnregisteredError, EngineShutdownError, InvalidRequestError
 from pool.errors import (
@@ -45,6 +46,7 @@ class ErrorFamily:
     status: int
     code: Optional[str] = None        # OpenAI's error.code; None: the exception's class name
     retry_after: Optional[int] = None
+    message: Optional[str] = None     # a fixed message, where the exception's own would leak internals
 
 
 # Starlette picks the handler of the most specific class in the exception's MRO, so a
@@ -62,6 +64,8 @@ ERROR_FAMILIES: dict[type[BaseException], ErrorFamily] = {
     PoolError: ErrorFamily(409),
     AdapterUnregisteredError: ErrorFamily(410),
     EngineShutdownError: ErrorFamily(503, retry_after=1),
+    RayActorError: ErrorFamily(503, "replica_unavailable", retry_after=1,
+                               message="the replica serving this request was lost; retry the request"),
     LoRAFleetError: ErrorFamily(500),
 }
 
@@ -114,7 +118,7 @@ def error_response(exc: BaseException) -> JSONResponse:
             return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}"), status_code=500)
         status, param, retry_after = family.status, _param_of(exc), family.retry_after
         code = family.code or type(exc).__name__
-        message = str(exc)
+        message = family.message or str(exc)
     headers = {"Retry-After": str(retry_after)} if retry_after else {}
     return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 

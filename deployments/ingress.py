@@ -48,13 +48,20 @@ class LoRAFleetIngress:
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         await self.admin.check_registered(request.adapter)
-        return await self.limiter.call(self.worker.generate.remote(request))
+        return await self.limiter.call(lambda: self.worker.generate.remote(request))
 
     async def generate_stream(self, request: GenerateRequest) -> AsyncIterator:
         """Token deltas, then the final ``GenerateResult``."""
         await self.admin.check_registered(request.adapter)
-        async for item in self.worker_stream.generate_stream.remote(request):
-            yield item
+        upstream = self.worker_stream.generate_stream.remote(request)
+        exhausted = False
+        try:
+            async for item in upstream:
+                yield item
+            exhausted = True
+        finally:
+            if not exhausted:
+                upstream.cancel()  # the caller cancelled or stopped reading: stop the work upstream
 
     async def register_adapter(self, name: str, source: str, revision: Optional[str] = None, pinned: bool = False,
                                replicas: Optional[int] = None) -> dict:

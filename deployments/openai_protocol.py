@@ -19,16 +19,26 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+MAX_STOP_SEQUENCES = 4          # as OpenAI
+MAX_STOP_CHARS = 256
+# Parameters OpenAI defines that this server does not implement: refused by name, never ignored.
+UNIMPLEMENTED = ("response_format", "tools", "tool_choice", "functions", "function_call", "logit_bias", "best_of",
+                 "suffix", "parallel_tool_calls", "top_logprobs", "prediction", "audio", "modalities",
+                 "reasoning_effort", "web_search_options")
+# Harmless fields clients send that change nothing here.
+IGNORED = ("user", "metadata", "store", "service_tier")
+
+
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="allow")  # OpenAI clients send fields we ignore (user, ...)
+    model_config = ConfigDict(extra="allow")  # unknown fields are checked by name in _check_common
 
     model: str
     max_tokens: Optional[int] = Field(default=None)
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     n: int = 1
     stop: Union[str, list[str], None] = None
-    seed: Optional[int] = None
+    seed: Optional[int] = Field(default=None, ge=0, le=2**63 - 1)
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     logprobs: Any = None
@@ -60,6 +70,19 @@ class UnsupportedParameter(ValueError):
 
 
 def _check_common(body: _Common) -> None:
+    extra = body.model_extra or {}
+    for name in UNIMPLEMENTED:
+        value = extra.get(name)
+        if value is None or (name == "response_format" and value == {"type": "text"}):
+            continue
+        raise UnsupportedParameter(name, f"{name} is not supported by this server")
+    unknown = sorted(set(extra) - set(UNIMPLEMENTED) - set(IGNORED))
+    if unknown:
+        raise UnsupportedParameter(unknown[0], f"unknown parameter {unknown[0]!r}")
+    stops = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
+    if len(stops) > MAX_STOP_SEQUENCES or any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise UnsupportedParameter("stop", f"stop takes at most {MAX_STOP_SEQUENCES} sequences of at most "
+                                           f"{MAX_STOP_CHARS} characters")
     if body.n != 1:
         raise UnsupportedParameter("n", f"n={body.n} is not supported; only n=1")
     if body.logprobs not in (None, False):

@@ -31,21 +31,26 @@ def openai_router(ingress) -> APIRouter:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return await stream(request, body.model, rid, chat, include_usage)
-        result = await ingress.limiter.call(ingress.worker.generate.remote(request))
+        result = await ingress.limiter.call(lambda: ingress.worker.generate.remote(request))
         return JSONResponse(completion_body(result, body.model, rid, chat),
                             headers={"x-lorafleet-replica": result.replica_id or ""})
 
     async def stream(request: GenerateRequest, model: str, rid: str, chat: bool, include_usage: bool):
         limiter = ingress.limiter
+
+        async def first_item(upstream):
+            return upstream, await upstream.__anext__()
+
         limiter.acquire()
-        try:
-            rest = ingress.worker_stream.generate_stream.remote(request).__aiter__()
-            first = await limiter.first(rest.__anext__())  # errors before the first token -> statuses
+        try:  # errors before the first token become statuses (and a lost replica is retried once)
+            upstream, first = await limiter.first_result(
+                lambda: ingress.worker_stream.generate_stream.remote(request), first_item)
         except BaseException:
             limiter.release()
             raise
-        return StreamingResponse(completion_events(first, rest, model, rid, chat, include_usage, limiter.release),
-                                 media_type="text/event-stream")
+        events = completion_events(upstream, first, model, rid, chat, include_usage, args.stream_idle_timeout_s,
+                                   limiter.release)
+        return StreamingResponse(events, media_type="text/event-stream")
 
     @router.post("/v1/completions")
     async def completions(body: CompletionRequest):
@@ -61,8 +66,9 @@ def openai_router(ingress) -> APIRouter:
         data = [{"id": args.base_model, "object": "model", "created": 0, "owned_by": "lorafleet",
                  "root": args.base_model, "parent": None}]
         for entry in sorted(ingress.registry.entries.values(), key=lambda e: e.name):
+            # sources (paths, buckets) are shown only by the authenticated admin API
             data.append({"id": entry.name, "object": "model", "created": int(entry.created), "owned_by": "lorafleet",
-                         "root": entry.source, "parent": args.base_model})
+                         "root": entry.name, "parent": args.base_model})
         return {"object": "list", "data": data}
 
     @router.get("/health")
