@@ -22,7 +22,7 @@ from ray.serve.config import RequestRouterConfig
 from engine.engine import LoRAEngine
 from engine.request import GenerateRequest, GenerateResult, ReplicaTarget, TokenDelta
 from pool.errors import AdapterNotFoundError, LoRAFleetError
-from routing.hashing import rendezvous_order
+from routing.pins import pin_holders
 
 from .config import AppArgs, resolve_demo_source
 from .event_buffer import EventBuffer
@@ -212,10 +212,10 @@ class LoRAWorker:
             self._retiring.discard(name)
 
     async def _apply_pins(self) -> None:
-        """Pin each pinned adapter on its first R replicas in rendezvous order; unpin elsewhere."""
+        """Pin each pinned adapter on its ``pin_holders`` (the rule ingress and view share); unpin elsewhere."""
         replicas = sorted(set(self.registry.replicas) | {self.replica_id})
         for name, entry in self.registry.entries.items():
-            should_pin = entry.pinned and self.replica_id in rendezvous_order(name, replicas)[: entry.replicas]
+            should_pin = entry.pinned and self.replica_id in pin_holders(name, replicas, entry.replicas)
             is_pinned = self.engine.current_uid(name) == entry.uid and entry.uid in self.engine.pinned_uids()
             try:
                 if should_pin and not is_pinned:
