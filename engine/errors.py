@@ -24,3 +24,15 @@ class AdapterExistsError(PoolError):
 
 class EngineShutdownError(LoRAFleetError):
     """The engine is stopping: retry on another replica."""
+
+
+class RequestCancelledError(LoRAFleetError):
+    """The caller went away (disconnect, timeout, cancel); the sequence was dropped from the engine."""
+
+
+class EngineOverloadedError(LoRAFleetError):
+    """The engine's waiting queue is full: retry later or elsewhere."""
+
+
+class EngineUnhealthyError(LoRAFleetError):
+    """Steps keep failing on this replica; Serve will replace it."""

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
 from .request import TokenDelta
-from .sampling import sample_next_token
+from .sampling import is_greedy, sample_next_token
 from .sequence import Sequence
 
 
@@ -22,12 +22,27 @@ def eos_token_ids(tokenizer, model) -> set[int]:
     return ids
 
 
-def next_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-    """Row ``i`` of ``logits`` picks ``seqs[i]``'s token: greedy ones share one device sync."""
+def next_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> list[Union[int, Exception]]:
+    """Row ``i`` of ``logits`` picks ``seqs[i]``'s token: greedy ones share one device sync.
+
+    A row that cannot give a token (non-finite logits, a sampling error) yields its error
+    instead, so one sequence's failure never fails the others in the batch.
+    """
     greedy = logits.argmax(dim=-1).tolist()
-    return [greedy[i] if seq.request.temperature == 0
-            else sample_next_token(logits[i], seq.request.temperature, seq.request.top_p, seq.generator)
-            for i, seq in enumerate(seqs)]
+    finite = torch.isfinite(logits).all(dim=-1).tolist()
+    tokens: list[Union[int, Exception]] = []
+    for i, seq in enumerate(seqs):
+        request = seq.request
+        if not finite[i]:
+            tokens.append(FloatingPointError(f"request {request.request_id}: the model produced non-finite logits"))
+        elif is_greedy(request.temperature):
+            tokens.append(greedy[i])
+        else:
+            try:
+                tokens.append(sample_next_token(logits[i], request.temperature, request.top_p, seq.generator))
+            except RuntimeError as exc:
+                tokens.append(exc)
+    return tokens
 
 
 def append_token(seq: Sequence, token: int, eos_ids: set[int]) -> Optional[str]:

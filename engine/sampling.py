@@ -1,4 +1,4 @@
-"""Next-token choice: greedy at temperature 0, else temperature + nucleus (top-p)."""
+"""Next-token choice: greedy at (near-)zero temperature, else temperature + nucleus (top-p)."""
 
 from __future__ import annotations
 
@@ -6,10 +6,18 @@ from typing import Optional
 
 import torch
 
+# Below this, dividing logits by the temperature overflows to inf (1e-50 did, failing the
+# batch's sampling): it means "greedy" to every user, so it is greedy here.
+GREEDY_BELOW = 1e-5
+
+
+def is_greedy(temperature: float) -> bool:
+    return temperature < GREEDY_BELOW
+
 
 def sample_next_token(logits: torch.Tensor, temperature: float, top_p: float,
                       generator: Optional[torch.Generator]) -> int:
-    if temperature == 0.0:
+    if is_greedy(temperature):
         return int(torch.argmax(logits))
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     if top_p < 1.0:

@@ -1,0 +1,141 @@
+"""A request's life in the engine under cancellation, odd parameters, broken adapters and failing steps."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from deployments.config import AppArgs
+from engine.engine import LoRAEngine
+from engine.errors import EngineOverloadedError, EngineUnhealthyError
+from engine.request import GenerateRequest
+from waiting import wait_until
+
+
+def make_engine(demo_assets, **overrides) -> LoRAEngine:
+    settings = dict(base_model=str(demo_assets.model_dir), max_loras_per_batch=3, max_lora_rank=16, max_batch_size=4,
+                    max_model_len=256, max_tokens_limit=200)
+    engine = LoRAEngine(AppArgs(**{**settings, **overrides}).engine_config())
+    for name in ("demo-1", "demo-2"):
+        engine.register_adapter(name, str(demo_assets.adapters[name]))
+    return engine
+
+
+@pytest.fixture(scope="module")
+def engine(demo_assets):
+    eng = make_engine(demo_assets)
+    yield eng
+    eng.shutdown()
+
+
+def test_a_cancelled_stream_leaves_the_engine_within_a_step(engine):
+    async def scenario():
+        streams = [engine.generate_stream(GenerateRequest(adapter="demo-1", prompt=f"long {i}", max_tokens=200))
+                   for i in range(4)]
+        for stream in streams:
+            await stream.__anext__()  # every request is running and has produced a token
+        steps_at_cancel = engine.steps
+        for stream in streams:
+            await stream.aclose()  # the caller goes away
+        return steps_at_cancel
+
+    before = engine.stats()["cancelled"]
+    steps_at_cancel = asyncio.run(scenario())
+    wait_until(lambda: engine.queue_len() == 0, 30, "cancelled sequences to leave the engine")
+    assert engine.steps - steps_at_cancel <= 2  # gone at the next step boundary, not after 200 tokens
+    assert engine.stats()["cancelled"] - before == 4
+    assert engine.cache.allocator.num_used == 0  # their KV blocks are free
+
+
+def test_a_cancelled_waiting_request_never_runs(engine):
+    async def scenario():
+        busy = [asyncio.ensure_future(engine.generate(GenerateRequest(prompt=f"busy {i}", max_tokens=40)))
+                for i in range(4)]  # fill the batch of 4
+        await asyncio.sleep(0.05)
+        queued = asyncio.ensure_future(engine.generate(GenerateRequest(prompt="queued", max_tokens=40)))
+        await asyncio.sleep(0.05)
+        tokens_before = engine.tokens_generated
+        queued.cancel()
+        results = await asyncio.gather(*busy)
+        with pytest.raises(asyncio.CancelledError):
+            await queued
+        return tokens_before, results
+
+    tokens_before, results = asyncio.run(scenario())
+    wait_until(lambda: engine.queue_len() == 0, 30, "the batch to drain")
+    produced_after = engine.tokens_generated - tokens_before
+    assert produced_after <= sum(r.completion_tokens for r in results)  # nothing for the cancelled one
+
+
+def test_a_near_zero_temperature_is_greedy_and_harms_nobody(engine):
+    async def scenario():
+        tiny = engine.generate(GenerateRequest(adapter="demo-1", prompt="same", max_tokens=12, temperature=1e-50))
+        others = [engine.generate(GenerateRequest(adapter="demo-1", prompt=f"other {i}", max_tokens=12,
+                                                  temperature=0.8, seed=i)) for i in range(6)]
+        return await asyncio.gather(tiny, *others)
+
+    tiny, *others = asyncio.run(scenario())
+    greedy = engine.generate_blocking(GenerateRequest(adapter="demo-1", prompt="same", max_tokens=12))
+    assert tiny.token_ids == greedy.token_ids
+    assert all(r.completion_tokens == 12 for r in others)
+
+
+def test_an_adapter_with_non_finite_weights_fails_only_its_own_requests(engine, demo_assets, tmp_path):
+    broken = Path(shutil.copytree(demo_assets.adapters["demo-2"], tmp_path / "nan-adapter"))
+    weights = load_file(broken / "adapter_model.safetensors")
+    for key in weights:
+        if "lora_B" in key:
+            weights[key] = torch.full_like(weights[key], float("nan"))
+    save_file(weights, broken / "adapter_model.safetensors")
+    engine.register_adapter("nan-adapter", str(broken))
+
+    async def scenario():
+        bad = engine.generate(GenerateRequest(adapter="nan-adapter", prompt="x", max_tokens=8))
+        good = [engine.generate(GenerateRequest(adapter=name, prompt="x", max_tokens=8))
+                for name in (None, "demo-1", None)]
+        return await asyncio.gather(bad, *good, return_exceptions=True)
+
+    bad, *good = asyncio.run(scenario())
+    assert isinstance(bad, FloatingPointError) and "non-finite" in str(bad)
+    assert all(r.completion_tokens == 8 for r in good)
+    assert engine.healthy()  # a sequence's failure is not a failed step
+    engine.unregister_adapter("nan-adapter")
+
+
+def test_the_waiting_queue_is_bounded(demo_assets):
+    engine = make_engine(demo_assets, max_batch_size=1, max_waiting_requests=2)
+    try:
+        async def scenario():
+            calls = [engine.generate(GenerateRequest(prompt=f"q {i}", max_tokens=30)) for i in range(6)]
+            return await asyncio.gather(*calls, return_exceptions=True)
+
+        outcomes = asyncio.run(scenario())
+        refused = [o for o in outcomes if isinstance(o, EngineOverloadedError)]
+        served = [o for o in outcomes if not isinstance(o, BaseException)]
+        assert refused and served and len(refused) + len(served) == 6
+        assert "limit 2" in str(refused[0])
+    finally:
+        engine.shutdown()
+
+
+def test_repeated_step_failures_make_the_engine_unhealthy(demo_assets):
+    engine = make_engine(demo_assets)
+    try:
+        def broken_head(*_):
+            raise RuntimeError("device fault")
+
+        hook = engine.model.lm_head.register_forward_hook(broken_head)
+        for i in range(3):
+            with pytest.raises(RuntimeError, match="device fault"):
+                engine.generate_blocking(GenerateRequest(prompt=f"x {i}", max_tokens=4))
+        assert not engine.healthy()
+        hook.remove()
+        with pytest.raises(EngineUnhealthyError):
+            engine.generate_blocking(GenerateRequest(prompt="after", max_tokens=4))
+    finally:
+        engine.shutdown()
