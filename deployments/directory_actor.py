@@ -123,8 +123,13 @@ class AdapterDirectoryActor:
 
     # ------------------------------------------------------------------ view (soft state)
 
-    def report(self, replica_id: str, events: list[dict], heartbeat: dict, snapshot: Optional[dict] = None) -> dict:
-        """A worker's batched events, its heartbeat and (when asked for) a full snapshot."""
+    async def report(self, replica_id: str, events: list[dict], heartbeat: dict,
+                     snapshot: Optional[dict] = None) -> dict:
+        """A worker's batched events, its heartbeat and (when asked for) a full snapshot.
+
+        ``async`` on purpose: Serve runs a plain method on a thread pool (a thread hop and
+        handoff per call, several times the work of applying the events); this one never blocks.
+        """
         before = self.directory.version
         new_replica = replica_id not in self.directory.replicas
         if snapshot is not None:
@@ -145,11 +150,11 @@ class AdapterDirectoryActor:
             return {"epoch": self.epoch, "version": version, "full": self.directory.full_view()}
         return {"epoch": self.epoch, "version": version, "changes": changes}
 
-    def view(self) -> dict:
+    async def view(self) -> dict:
         return {"version": self.directory.version, "replicas": self.directory.full_view(),
                 "events_applied": self.directory.events_applied}
 
-    def adapter_counts(self) -> dict:
+    async def adapter_counts(self) -> dict:
         """uid -> {"load": n, "evict": n, ...} over the whole fleet since the directory started."""
         return {uid: dict(c) for uid, c in self.directory.adapter_counts.items()}
 

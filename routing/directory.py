@@ -27,6 +27,7 @@ class ReplicaState:
     loading: set[str] = field(default_factory=set)
     host_cached: set[str] = field(default_factory=set)
     queue_len: int = 0
+    load_s: dict = field(default_factory=dict)  # measured {"host": s, "disk": s} load times (routers price loads)
     needs_resync: bool = False
     last_report: float = 0.0
     removed: bool = False
@@ -48,7 +49,8 @@ class ReplicaState:
             replica_id=d["replica_id"], seq=d.get("seq", 0), slots=d.get("slots", 0),
             resident=dict(d.get("resident", {})), pinned=set(d.get("pinned", ())),
             loading=set(d.get("loading", ())), host_cached=set(d.get("host_cached", ())),
-            queue_len=d.get("queue_len", 0), needs_resync=d.get("needs_resync", False),
+            queue_len=d.get("queue_len", 0), load_s=dict(d.get("load_s") or {}),
+            needs_resync=d.get("needs_resync", False),
             last_report=d.get("last_report", 0.0), removed=d.get("removed", False),
         )
 
@@ -95,7 +97,8 @@ class AdapterDirectory:
         return not state.needs_resync
 
     def apply_snapshot(self, snapshot: Union[PoolSnapshot, Mapping], *, queue_len: Optional[int] = None,
-                       host_cached: Optional[Iterable[str]] = None, loading: Optional[Iterable[str]] = None) -> None:
+                       host_cached: Optional[Iterable[str]] = None, loading: Optional[Iterable[str]] = None,
+                       load_s: Optional[Mapping] = None) -> None:
         """Replace a replica's state with its own full report (resync, or first contact)."""
         snap = snapshot if isinstance(snapshot, Mapping) else snapshot.to_dict()
         state = self._state(snap["replica_id"], first_seq=None)
@@ -110,16 +113,17 @@ class AdapterDirectory:
         state.slots = snap["slots"]
         state.seq = snap["seq"]
         state.needs_resync = False
-        self._set_extras(state, queue_len, host_cached, loading)
+        self._set_extras(state, queue_len, host_cached, loading, load_s)
         state.last_report = self._clock()
         self._bump(state.replica_id)
 
     def heartbeat(self, replica_id: str, *, queue_len: Optional[int] = None,
-                  host_cached: Optional[Iterable[str]] = None, loading: Optional[Iterable[str]] = None) -> bool:
+                  host_cached: Optional[Iterable[str]] = None, loading: Optional[Iterable[str]] = None,
+                  load_s: Optional[Mapping] = None) -> bool:
         """Liveness plus the parts of a replica's state that are not pool events."""
         state = self._state(replica_id, first_seq=None)
         state.last_report = self._clock()
-        if self._set_extras(state, queue_len, host_cached, loading):
+        if self._set_extras(state, queue_len, host_cached, loading, load_s):
             self._bump(replica_id)
         return not state.needs_resync
 
@@ -200,15 +204,17 @@ class AdapterDirectory:
         elif event.kind == "unpin":
             state.pinned.discard(event.uid)
 
-    def _set_extras(self, state: ReplicaState, queue_len, host_cached, loading) -> bool:
-        before = (state.queue_len, state.host_cached, state.loading)
+    def _set_extras(self, state: ReplicaState, queue_len, host_cached, loading, load_s=None) -> bool:
+        before = (state.queue_len, state.host_cached, state.loading, state.load_s)
         if queue_len is not None:
             state.queue_len = queue_len
         if host_cached is not None:
             state.host_cached = set(host_cached)
         if loading is not None:
             state.loading = set(loading)
-        return before != (state.queue_len, state.host_cached, state.loading)
+        if load_s is not None:
+            state.load_s = dict(load_s)
+        return before != (state.queue_len, state.host_cached, state.loading, state.load_s)
 
     def _unindex(self, uid: str, replica_id: str) -> None:
         holders = self.holders.get(uid)

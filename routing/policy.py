@@ -1,26 +1,37 @@
-"""The routing decision as a pure function of (adapter, view, loads, config).
+"""The routing decision: the replica where a request is expected to complete first.
 
-1. Replicas that hold the adapter and stay under the load bound, least loaded first
-   ("affinity").
-   Holders over the bound come next: Ray Serve moves past a tier only when all its
-   replicas are at ``max_ongoing_requests`` (a "full_spill", counted by the router), and
-   then only to replicas with a free slot until the request has waited ``spill_wait_s``.
-2. Holders all over the bound: the first replica in the adapter's hash order that is under
-   the bound and has a free slot takes it ("spill": a hot adapter gets replicated without
-   evicting anyone); with no such replica the holders stay first.
-3. No holder: bounded-load rendezvous hashing — replicas in the adapter's hash order; the
-   first whose load stays <= ceil((1+eps) * (total+1) / n) wins, preferring, among the
-   first ``placement_lookahead`` such replicas, a free slot, then a host-tier copy
-   ("placement").
-4. Base-model requests go to the least loaded replicas ("base").
+For each candidate replica ``i`` and a request for adapter ``a`` the expected completion
+time (ECT, seconds, the request's own run time left out: it is the same everywhere) is
 
-Routers that share a view choose the same replica without talking to each other. Later
-tiers are fallbacks: Ray Serve tries them when a replica of an earlier tier is full.
+    queue wait      q_i * T_i / cap_i       the work ahead of it, drained cap_i at a time,
+                                            T_i seconds each (T_i: the replica's recent
+                                            request time, measured)
+  + slot wait       T_i * slot_wait_fraction when ``a`` cannot join the running batch now
+                                            (every usable slot serves another adapter)
+  + load            0 if ``a`` is resident; the replica's measured host-tier copy time if
+                                            ``a`` is in its host tier; its disk read time else
+  + eviction        what the load evicts: the victim's chance of being asked for again soon
+                                            (its recent demand) times its reload time
+
+The request goes to the minimum; candidates within ``tie_epsilon`` of one queued request's
+wait (T / cap) of the minimum are a tie, broken by the adapter's rendezvous order, so
+routers that see the same state choose alike without talking. With expensive loads
+this keeps affinity (a load costs more than queueing behind a holder); with cheap loads
+and idle capacity it spreads. A hot adapter gains replicas while its holders' queue
+wait exceeds a load elsewhere and loses them (LRU) as demand falls; a victim with demand
+costs its reload, so replication never evicts an adapter in use for free.
+
+Work-conserving: a replica that is full (``q_i >= cap_i``) cannot start the request now;
+if the best replica is full and no replica that could start it now is within the tie of
+it, the decision is to wait (``wait``: the router waits for capacity, then decides
+again); otherwise the request goes to the best replica that can start it now.
+
+Pure function over plain data; no Ray, no I/O. ``FleetView`` is the per-replica state a
+router holds (``routing.view.RouterView`` builds it).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Collection, Mapping, Optional, Sequence
 
@@ -28,137 +39,198 @@ import numpy as np
 
 from .hashing import rendezvous_scores, stable_hash
 
+SMALL_FLEET = 16  # up to this many replicas every one is scored; beyond, a bounded candidate set
+
 
 @dataclass(frozen=True)
 class RoutingConfig:
-    load_bound_epsilon: float = 0.25
-    min_load_bound: int = 0  # a floor for the bound: batching makes a few more requests nearly free
-    placement_lookahead: int = 2
-    fallback_width: int = 4
-    spill_wait_s: float = 1.0  # how long a request waits for a full holder before it may evict elsewhere
+    tie_epsilon: float = 0.25         # ECTs within this many queued requests' wait (T/cap) of the best tie
+    default_request_s: float = 0.5    # a replica's request time before any is measured
+    default_max_ongoing: int = 8      # cap when the caller gives none
+    host_load_s: float = 0.002        # load-time priors until a replica reports measured ones
+    disk_load_s: float = 0.05
+    slot_wait_fraction: float = 0.5   # an adapter that cannot join the batch waits ~ this share of T
+    demand_horizon: float = 4.0       # a victim asked for within this many request times is "in use"
+    candidate_width: int = 4          # large fleets: rendezvous-first and least-loaded replicas scored
 
 
 @dataclass
 class RoutingDecision:
-    tiers: list[list[int]]  # replica indexes into the view, most preferred tier first
-    kind: str               # affinity | placement | spill | base
+    tiers: list[list[int]]   # replicas to try now, best first (empty when waiting)
+    kind: str                # affinity | spill | placement | base | wait | none
+    wait: bool = False       # the best replica is full and nothing that could start now ties it
+    best: Optional[int] = None       # the minimum-ECT replica (full or not)
+    ect: dict[int, float] = field(default_factory=dict)  # scored candidates -> expected seconds
 
 
 @dataclass
 class FleetView:
-    """The replicas a router may choose from, with what it believes each one holds.
+    """The replicas a router may choose from and what it believes each holds.
 
-    ``holders`` / ``warm`` map an adapter name to replica indexes: warm means a free slot
-    or the adapter in the host tier (a cheap place to load it).
+    ``holders`` / ``warm`` map an adapter name to replica indexes: resident, or in the
+    host tier / being read (a cheap place to load it). Per-replica lists are indexed
+    like ``replica_ids``; a missing list means "not reported" and the config's priors apply.
     """
 
     replica_ids: tuple[str, ...]
     holders: Mapping[str, Collection[int]] = field(default_factory=dict)
     warm: Mapping[str, Collection[int]] = field(default_factory=dict)
-    free_slots: Optional[np.ndarray] = None  # free slot count per replica
+    free_slots: Optional[np.ndarray] = None          # free slot count per replica
+    slots: Optional[Sequence[int]] = None             # slot count per replica (0: unknown)
+    residents: Optional[Sequence[tuple[str, ...]]] = None  # adapter names resident per replica
+    pinned: Optional[Sequence[frozenset]] = None       # pinned adapter names per replica
+    host_load_s: Optional[Sequence[Optional[float]]] = None  # measured host-tier copy seconds
+    disk_load_s: Optional[Sequence[Optional[float]]] = None  # measured disk read seconds
 
     def __post_init__(self) -> None:
-        self.hashes = np.fromiter((stable_hash(r) for r in self.replica_ids), dtype=np.uint64,
-                                  count=len(self.replica_ids))
+        n = len(self.replica_ids)
+        self.hashes = np.fromiter((stable_hash(r) for r in self.replica_ids), dtype=np.uint64, count=n)
         self.index = {r: i for i, r in enumerate(self.replica_ids)}
         if self.free_slots is None:
-            self.free_slots = np.zeros(len(self.replica_ids), dtype=np.int64)
+            self.free_slots = np.zeros(n, dtype=np.int64)
+        self.free = [int(x) for x in self.free_slots]
+        self._scores: dict[str, list[int]] = {}
+        self._order: dict[str, list[int]] = {}
 
+    def scores(self, adapter: str) -> list[int]:
+        """Rendezvous scores of ``adapter`` per replica (higher = earlier in its order), cached."""
+        s = self._scores.get(adapter)
+        if s is None:
+            s = self._scores[adapter] = rendezvous_scores(stable_hash(adapter), self.hashes).tolist()
+        return s
 
-def load_bound(loads: np.ndarray, epsilon: float, floor: int = 0) -> float:
-    return max(math.ceil((1.0 + epsilon) * (float(loads.sum()) + 1.0) / len(loads)), floor)
+    def order(self, adapter: str, k: int) -> list[int]:
+        """The first ``k`` replicas in ``adapter``'s rendezvous order, cached."""
+        o = self._order.get(adapter)
+        if o is None or len(o) < k:
+            s = np.asarray(self.scores(adapter), dtype=np.uint64)
+            k = min(k, len(s))
+            top = np.argpartition(s, len(s) - k)[-k:] if k < len(s) else np.arange(len(s))
+            o = self._order[adapter] = sorted((int(i) for i in top), key=lambda i: -int(s[i]))
+        return o[:k]
 
 
 def choose_replicas(adapter: Optional[str], view: FleetView, loads: Sequence[float] | np.ndarray,
-                    config: RoutingConfig = RoutingConfig(), waited_s: float = 0.0) -> RoutingDecision:
+                    config: RoutingConfig = RoutingConfig(), *, caps: Optional[Sequence[float]] = None,
+                    request_s: Optional[Sequence[Optional[float]]] = None,
+                    active: Optional[Sequence[Mapping[Optional[str], int]]] = None,
+                    demand: Optional[Mapping[str, float]] = None) -> RoutingDecision:
+    """Rank candidates by expected completion time; see the module docstring.
+
+    ``loads``: ongoing requests per replica (Serve's queue lengths). ``caps``: each one's
+    ``max_ongoing_requests``. ``request_s``: recent seconds per request per replica (None:
+    not measured). ``active``: adapters of the requests running on each replica (name ->
+    count; ``None`` is the base model). ``demand``: recent requests per second per adapter.
+    """
     n = len(view.replica_ids)
     if n == 0:
         return RoutingDecision([], "none")
-    loads = np.asarray(loads, dtype=np.float64)
-    bound = load_bound(loads, config.load_bound_epsilon, config.min_load_bound)
+    if isinstance(loads, np.ndarray):
+        loads = loads.tolist()
+    holders = view.holders.get(adapter, ()) if adapter is not None else ()
+    warm = view.warm.get(adapter, ()) if adapter is not None else ()
+    candidates = range(n) if n <= SMALL_FLEET else _candidates(adapter, view, loads, holders, config)
+    cap_default = float(config.default_max_ongoing)
+    t_default = config.default_request_s
+    join_check = active is not None and view.slots is not None
+    free = view.free
+    ect: dict[int, float] = {}
+    cost_class: dict[int, int] = {}  # 0 resident, 1 load into a free slot, 2 load that evicts
+    best, best_e, best_tol = 0, float("inf"), 0.0
+    for i in candidates:
+        cap = caps[i] if caps is not None else cap_default
+        t = (request_s[i] if request_s is not None else None) or t_default
+        e = loads[i] * t / cap
+        if join_check and view.slots[i] and not _can_join(adapter, i, view, active):
+            e += config.slot_wait_fraction * t
+        if adapter is None or i in holders:
+            cost_class[i] = 0
+        else:
+            e += _load_s(view, i, i in warm, config)
+            if free[i] > 0:
+                cost_class[i] = 1
+            else:
+                cost_class[i] = 2
+                e += _eviction_s(view, i, active, demand, t, config)
+        ect[i] = e
+        if e < best_e:
+            best, best_e, best_tol = i, e, config.tie_epsilon * t / cap
+    limit = best_e + best_tol
+    # within the tie, the cheapest kind of placement, then the adapter's rendezvous order (base: least
+    # loaded, then index), so routers whose estimates differ slightly still agree; beyond it, by ECT
     if adapter is None:
-        return RoutingDecision(_least_loaded_tiers(loads, None, config), "base")
-
-    scores = rendezvous_scores(stable_hash(adapter), view.hashes)
-    holders = sorted((i for i in view.holders.get(adapter, ()) if i < n), key=lambda i: (loads[i], -int(scores[i])))
-    if holders:
-        under = [i for i in holders if loads[i] + 1 <= bound]
-        if not under:
-            # every holder is over the bound: replicate onto a free slot (no eviction) if one is under it
-            target = _rendezvous_target(adapter, view, loads, scores, bound, config, exclude=set(holders),
-                                        require_free=True)
-            if target is not None:
-                return RoutingDecision([[target], holders, *_least_loaded_tiers(loads, _without(n, target, *holders),
-                                                                                        config)], "spill")
-        # holders first, least loaded first; Serve moves past them only when all are at max_ongoing_requests,
-        # and then only to a free slot, until the request has waited spill_wait_s (evicting for it before that
-        # would thrash a working set that fits)
-        over = [i for i in holders if i not in under]
-        tiers = [t for t in (under, over) if t]
-        free_only = waited_s < config.spill_wait_s
-        return RoutingDecision([*tiers, *_fallback_tiers(loads, scores, bound, set(holders), config, view, free_only)],
-                               "affinity")
-    target = _rendezvous_target(adapter, view, loads, scores, bound, config)
-    return RoutingDecision([[target], *_least_loaded_tiers(loads, _without(n, target), config)], "placement")
+        tie_key = lambda i: (cost_class[i], loads[i], i)  # noqa: E731
+    else:
+        scores = view.scores(adapter)
+        tie_key = lambda i: (cost_class[i], -scores[i])  # noqa: E731
+    tied = [i for i in ect if ect[i] <= limit]
+    tied.sort(key=tie_key)
+    best = tied[0]
+    chosen = None
+    for i in tied:
+        if loads[i] < (caps[i] if caps is not None else cap_default):
+            chosen = i
+            break
+    if chosen is None:  # nothing in the tie can start now: wait for it
+        return RoutingDecision([], "wait", wait=True, best=best, ect=ect)
+    return RoutingDecision([[chosen]], _kind(adapter, holders, chosen), best=best, ect=ect)
 
 
-def _without(n: int, *excluded: int) -> np.ndarray:
-    allowed = np.ones(n, dtype=bool)
-    allowed[list(excluded)] = False
-    return allowed
+def _kind(adapter: Optional[str], holders: Collection[int], chosen: int) -> str:
+    if adapter is None:
+        return "base"
+    if chosen in holders:
+        return "affinity"
+    return "spill" if holders else "placement"
 
 
-def _rendezvous_target(adapter: str, view: FleetView, loads: np.ndarray, scores: np.ndarray, bound: float,
-                       config: RoutingConfig, exclude: set[int] = frozenset(),
-                       require_free: bool = False) -> Optional[int]:
-    """The first replica in ``adapter``'s hash order under the bound; within the lookahead a free
-    slot wins (no eviction), then a host-tier copy (a cheap load). ``require_free``: only free slots."""
-    ok = loads + 1 <= bound  # never empty without exclusions: the least loaded replica is at most the mean
-    if exclude:
-        ok[list(exclude)] = False
-    if require_free:
-        ok &= view.free_slots > 0
-    if not ok.any():
-        return None
-    masked = np.where(ok, scores, np.uint64(0))
-    k = min(config.placement_lookahead, int(ok.sum()))
-    if k <= 1:
-        return int(np.argmax(masked))
-    top = np.argpartition(masked, len(masked) - k)[-k:]
-    top = [int(i) for i in top[np.argsort(masked[top])[::-1]]]
-    warm = view.warm.get(adapter, ())
-    for i in top:
-        if view.free_slots[i]:
-            return i
-    for i in top:
-        if i in warm:
-            return i
-    return top[0]
+def _can_join(adapter: Optional[str], i: int, view: FleetView, active: Sequence[Mapping]) -> bool:
+    """Whether ``adapter`` can enter replica ``i``'s running batch now: already in it, or a
+    slot that neither the batch nor a pin holds (the pool would load it at the next step)."""
+    running = active[i]
+    if running.get(adapter, 0) > 0:
+        return True
+    in_batch = sum(1 for c in running.values() if c > 0)
+    pinned = view.pinned[i] if view.pinned is not None else frozenset()
+    pinned_idle = sum(1 for p in pinned if running.get(p, 0) <= 0)
+    return in_batch + pinned_idle < view.slots[i]
 
 
-def _fallback_tiers(loads: np.ndarray, scores: np.ndarray, bound: float, exclude: set[int],
-                    config: RoutingConfig, view: FleetView, free_only: bool) -> list[list[int]]:
-    """Where a request goes if every holder is full: its rendezvous replica, then the least loaded
-    (with ``free_only``, only replicas with a free slot: no eviction)."""
-    allowed = (view.free_slots > 0) if free_only else np.ones(len(loads), dtype=bool)
-    if exclude:
-        allowed[list(exclude)] = False
-    ok = allowed & (loads + 1 <= bound)
-    tiers = []
-    if ok.any():
-        target = int(np.argmax(np.where(ok, scores, np.uint64(0))))
-        tiers.append([target])
-        allowed[target] = False
-    return tiers + _least_loaded_tiers(loads, allowed, config)
+def _load_s(view: FleetView, i: int, warm: bool, config: RoutingConfig) -> float:
+    if warm:
+        measured = view.host_load_s[i] if view.host_load_s is not None else None
+        return measured if measured is not None else config.host_load_s
+    measured = view.disk_load_s[i] if view.disk_load_s is not None else None
+    return measured if measured is not None else config.disk_load_s
 
 
-def _least_loaded_tiers(loads: np.ndarray, allowed: Optional[np.ndarray], config: RoutingConfig) -> list[list[int]]:
-    """Up to ``fallback_width`` allowed replicas, least loaded first, as two tiers (a pair, then the rest)."""
-    candidates = loads if allowed is None else np.where(allowed, loads, np.inf)
-    n = len(candidates)
-    width = min(config.fallback_width, n)
-    idx = np.argpartition(candidates, width - 1)[:width] if width < n else np.arange(n)
-    idx = sorted((int(i) for i in idx if candidates[i] != np.inf), key=lambda i: (loads[i], i))
-    if not idx:
-        return []
-    return [idx[:2], idx[2:]] if len(idx) > 2 else [idx]
+def _eviction_s(view: FleetView, i: int, active: Optional[Sequence[Mapping]], demand: Optional[Mapping[str, float]],
+                t: float, config: RoutingConfig) -> float:
+    """The cheapest victim's expected reload: P(asked for within demand_horizon request times) x
+    its host-tier reload. Without residents or demand reported, nothing is charged."""
+    if view.residents is None or not demand:
+        return 0.0
+    running = active[i] if active is not None else {}
+    pinned = view.pinned[i] if view.pinned is not None else frozenset()
+    horizon = config.demand_horizon * t
+    victims = [min(1.0, demand.get(r, 0.0) * horizon) for r in view.residents[i]
+               if running.get(r, 0) <= 0 and r not in pinned]
+    if not victims:
+        return 0.0  # nothing evictable: the slot wait already counts it
+    return min(victims) * _load_s(view, i, True, config)
+
+
+def _candidates(adapter: Optional[str], view: FleetView, loads: list, holders: Collection[int],
+                config: RoutingConfig) -> list[int]:
+    """Large fleets: holders, host-tier copies, the first ``candidate_width`` replicas in the
+    adapter's rendezvous order, and the ``candidate_width`` least loaded (O(n) once, in numpy)."""
+    k = config.candidate_width
+    arr = np.asarray(loads, dtype=np.float64)
+    least = np.argpartition(arr, k)[:k] if k < len(arr) else np.arange(len(arr))
+    chosen = {int(i) for i in least}
+    if adapter is not None:
+        chosen.update(holders)
+        chosen.update(view.warm.get(adapter, ()))
+        chosen.update(view.order(adapter, k))
+    return sorted(chosen)
+

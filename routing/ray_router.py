@@ -3,8 +3,22 @@
 Serve creates one per handle-holding process (each proxy, ingress replica, driver); they
 share no memory. Each keeps a ``RouterView`` fed by a background long poll on the
 AdapterDirectory deployment, by the replicas' ``routing_stats``, and by its own
-decisions, and asks ``policy.choose_replicas`` for ranked tiers. Routing never waits on
-the directory: with it down, the last view, the stats and rendezvous placement remain.
+decisions, and asks ``policy.choose_replicas`` for the replica where the request is
+expected to complete first. Routing never waits on the directory: with it down, the
+last view, the stats and rendezvous order remain.
+
+Cheap by construction, because the router runs in the caller's process and on a small
+machine shares cores with the engines:
+
+- one replica per decision, from Serve's own queue-length cache: Serve never probes a
+  replica we offer (a probe is an RPC that costs the caller and the replica);
+- when the best replica is full, the request waits for capacity (woken by a completion
+  of this router's requests, or after ``capacity_poll_s``) instead of Serve's backoff
+  loop, which sleeps while rows are free and probes full replicas on every attempt;
+- metrics are counted locally and exported every ``metrics_export_interval_s`` from the
+  feed thread, not one ``ray.util.metrics`` call per decision;
+- the candidate list, caps and view are cached until Serve's replica set or the view
+  changes.
 
 No ``FIFOMixin``: it hands a freed replica to the oldest waiting request whatever its
 adapter (it matches only on ``multiplexed_model_id``, which we do not use), which would
@@ -25,11 +39,13 @@ from typing import List, Optional
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from .policy import RoutingConfig, choose_replicas
-from .view import RouterView, replica_loads
+from .router_state import LocalRouterState
+from .view import RouterView
 
 log = logging.getLogger("ray.serve")
 STATS_APPLY_INTERVAL_S = 0.1
-MAX_TRACKED_DECISIONS = 10_000
+MAX_WAIT_PER_CALL_S = 1.0  # a waiting request is re-offered to Serve this often (replica set changes)
+REPEAT_WINDOW_S = 0.01     # the same request back this soon: Serve could not use our choice; wait first
 
 
 def request_adapter(pending_request: Optional[PendingRequest]) -> Optional[str]:
@@ -41,23 +57,36 @@ def request_adapter(pending_request: Optional[PendingRequest]) -> Optional[str]:
 
 
 class _RouterMetrics:
-    """``lorafleet_router_*`` metrics via ``ray.util.metrics`` (routers also live in proxies and drivers)."""
+    """``lorafleet_router_*`` metrics, counted locally and exported periodically.
+
+    ``ray.util.metrics`` calls are not free and every one is work for the node's metrics
+    agent; per-decision calls made that agent's CPU grow with the request rate. Counts
+    accumulate here and go out as one ``inc`` per kind per export.
+    """
 
     def __init__(self) -> None:
-        from ray.util.metrics import Counter, Gauge
+        from ray.util.metrics import Counter as MetricCounter, Gauge
 
-        self._decisions = Counter("lorafleet_router_decisions_total",
-                                  description="Routing decisions by kind (affinity, placement, spill, base, "
-                                              "full_spill: the preferred replicas were full)",
-                                  tag_keys=("kind",))
+        self._decisions = MetricCounter("lorafleet_router_decisions_total",
+                                        description="Routing decisions by kind (affinity, spill: another replica "
+                                                    "than the holders, placement: no holder, base, wait: the best "
+                                                    "replica was full)",
+                                        tag_keys=("kind",))
         self._lag = Gauge("lorafleet_router_view_lag_seconds",
                           description="Seconds since this router's view last heard from the directory")
+        self._lock = threading.Lock()
+        self._unsent: Counter = Counter()
+        self.lag_s = 0.0
 
     def decision(self, kind: str) -> None:
-        self._decisions.inc(tags={"kind": kind})
+        self._unsent[kind] += 1  # the event loop's thread; export swaps the counter under the lock
 
-    def view_lag(self, seconds: float) -> None:
-        self._lag.set(seconds)
+    def export(self) -> None:
+        with self._lock:
+            unsent, self._unsent = self._unsent, Counter()
+        for kind, count in unsent.items():
+            self._decisions.inc(count, tags={"kind": kind})
+        self._lag.set(self.lag_s)
 
 
 def check_router_kwargs(kwargs: dict) -> None:
@@ -70,22 +99,35 @@ def check_router_kwargs(kwargs: dict) -> None:
 
 
 class AdapterAffinityRouter(RequestRouter):
-    def initialize_state(self, load_bound_epsilon: float = 0.25, min_load_bound: int = 0, placement_lookahead: int = 2,
-                         spill_wait_s: float = 1.0,
-                         optimistic_ttl_s: float = 3.0, directory_deployment: str = "AdapterDirectory",
-                         poll_timeout_s: float = 5.0, min_poll_interval_s: float = 0.05) -> None:
-        self.routing_config = RoutingConfig(load_bound_epsilon=load_bound_epsilon, min_load_bound=min_load_bound,
-                                            placement_lookahead=placement_lookahead, spill_wait_s=spill_wait_s)
+    def initialize_state(self, load_bound_epsilon: float = 0.25, optimistic_ttl_s: float = 3.0,
+                         directory_deployment: str = "AdapterDirectory", poll_timeout_s: float = 5.0,
+                         min_poll_interval_s: float = 0.1, host_load_s: float = 0.002, disk_load_s: float = 0.05,
+                         default_request_s: float = 0.5, capacity_poll_s: float = 0.05,
+                         metrics_export_interval_s: float = 5.0) -> None:
+        """``load_bound_epsilon``: replicas whose expected completion times are within this many
+        queued requests' wait of the best are a tie, broken by rendezvous order (larger: more
+        affinity and agreement between routers; smaller: tighter balance). ``host_load_s`` /
+        ``disk_load_s`` / ``default_request_s``: priors until replicas report measured ones."""
+        self.routing_config = RoutingConfig(tie_epsilon=load_bound_epsilon, host_load_s=host_load_s,
+                                            disk_load_s=disk_load_s, default_request_s=default_request_s)
         self.view = RouterView(ttl_s=optimistic_ttl_s)
+        self.local = LocalRouterState()
         self.directory_deployment = directory_deployment
         self.poll_timeout_s = poll_timeout_s
         self.min_poll_interval_s = min_poll_interval_s  # batches bursts of deltas: one view rebuild each
-        self.decisions: Counter = Counter()  # affinity | placement | spill | base | full_spill
-        self._inflight: Counter = Counter()
-        self._first_choice: dict[str, tuple[Optional[str], set[str]]] = {}
+        self.capacity_poll_s = capacity_poll_s
+        self.metrics_export_interval_s = metrics_export_interval_s
+        self.decisions: Counter = Counter()  # affinity | spill | placement | base | wait
         self._poll_thread: Optional[threading.Thread] = None
         self._epoch_seen: Optional[str] = None
         self._stats_applied_at = float("-inf")
+        self._candidates_of: Optional[list] = None
+        self._ids: tuple[str, ...] = ()
+        self._by_id: dict[str, RunningReplica] = {}
+        self._caps: list[float] = []
+        self._capacity: Optional[asyncio.Event] = None
+        self._kinds: dict[str, str] = {}  # request id -> decision kind, counted when routed
+        self._last_call: tuple[Optional[str], float] = (None, 0.0)
         self.metrics = _RouterMetrics()
 
     async def choose_replicas(self, candidate_replicas: List[RunningReplica],
@@ -95,51 +137,107 @@ class AdapterAffinityRouter(RequestRouter):
         self._ensure_polling()
         if not candidate_replicas:
             return []
-        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        ids = tuple(sorted(by_id))
+        if candidate_replicas is not self._candidates_of:
+            self._set_candidates(candidate_replicas)
         now = time.monotonic()
         if now - self._stats_applied_at >= STATS_APPLY_INTERVAL_S:  # stats change once a period, not per request
             self._stats_applied_at = now
-            for replica_id, replica in by_id.items():
+            for replica_id, replica in self._by_id.items():
                 self.view.apply_routing_stats(replica_id, replica.routing_stats)
-        cache = self.replica_queue_len_cache
-        loads = replica_loads(ids, {r: cache.get(by_id[r].replica_id) for r in ids}, self._inflight, self.view)
-        target = getattr(pending_request.args[0], "target_replica", None) if pending_request and pending_request.args \
-            else None
+            self.local.expire()
+        request = pending_request.args[0] if pending_request is not None and pending_request.args else None
+        target = getattr(request, "target_replica", None)
         if target is not None:
-            return [[by_id[target]]] if target in by_id else []
+            return [[self._by_id[target]]] if target in self._by_id else []
         adapter = request_adapter(pending_request)
-        waited = time.time() - pending_request.created_at if pending_request is not None else 0.0
-        decision = choose_replicas(adapter, self.view.fleet_view(ids, adapter), loads, self.routing_config, waited)
+        request_id = pending_request.metadata.internal_request_id if pending_request is not None else None
         if pending_request is not None:
-            # every tier has been offered; if all are full, wait (back off) before asking again
-            pending_request.routing_context.should_backoff = True
-            first = {ids[i] for i in decision.tiers[0]} if decision.tiers else set()
-            if len(self._first_choice) > MAX_TRACKED_DECISIONS:  # requests cancelled before routing leave entries
-                self._first_choice.clear()
-            self._first_choice[pending_request.metadata.internal_request_id] = (decision.kind, first)
-        return [[by_id[ids[i]] for i in tier] for tier in decision.tiers]
+            pending_request.routing_context.should_backoff = False  # we wait for capacity ourselves
+            if self._last_call[0] == request_id and now - self._last_call[1] < REPEAT_WINDOW_S:
+                await self._wait_for_capacity()  # Serve could not use the last choice: do not spin
+        deadline = time.monotonic() + MAX_WAIT_PER_CALL_S
+        while True:
+            decision = self._decide(adapter)
+            if not decision.wait or time.monotonic() >= deadline:
+                break
+            self.decisions["wait"] += 1
+            self.metrics.decision("wait")
+            await self._wait_for_capacity()
+        self._last_call = (request_id, time.monotonic())
+        if not decision.tiers:
+            return []
+        chosen = decision.tiers[0][0]
+        if request_id is not None:
+            self.local.chose(request_id, self._ids[chosen])
+            self._kinds[request_id] = decision.kind
+            if len(self._kinds) > 10_000:  # requests cancelled before routing leave entries
+                self._kinds.clear()
+        return [[self._by_id[self._ids[chosen]]]]
+
+    def _set_candidates(self, candidate_replicas: List[RunningReplica]) -> None:
+        """Serve passes the same list object until its replica set changes: derive ids and caps once."""
+        self._candidates_of = candidate_replicas
+        self._by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        self._ids = tuple(sorted(self._by_id))
+        self._caps = [float(self._by_id[r].max_ongoing_requests) for r in self._ids]
+
+    def _decide(self, adapter: Optional[str]):
+        ids, cache, local = self._ids, self.replica_queue_len_cache, self.local
+        loads = []
+        for rid in ids:
+            probed = cache.get(self._by_id[rid].replica_id)
+            q = probed if probed is not None else max(local.inflight.get(rid, 0), self.view.queue_len(rid))
+            loads.append(q + local.pending.get(rid, 0))
+        return choose_replicas(adapter, self.view.fleet_view(ids, adapter), loads, self.routing_config,
+                               caps=self._caps, request_s=local.request_s_by_index(ids),
+                               active=local.active_by_index(ids), demand=local.demand)
+
+    async def _wait_for_capacity(self) -> None:
+        """Until a request of ours completes (a row frees) or ``capacity_poll_s`` passes (other
+        routers' requests complete unseen)."""
+        if self._capacity is None:
+            self._capacity = asyncio.Event()
+        event = self._capacity
+        try:
+            await asyncio.wait_for(event.wait(), self.capacity_poll_s)
+        except asyncio.TimeoutError:
+            pass
+
+    def _capacity_freed(self) -> None:
+        if self._capacity is not None:
+            self._capacity.set()
+            self._capacity = None  # waiters hold the set event; later ones get a fresh one
+
+    def on_send_request(self, replica_id) -> None:
+        super().on_send_request(replica_id)
+        self.local.sent(replica_id.unique_id)
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
         rid = replica_id.unique_id
-        self._inflight[rid] += 1
-        self.view.record_decision(request_adapter(pending_request), rid)
-        kind, first = self._first_choice.pop(pending_request.metadata.internal_request_id, (None, set()))
+        adapter = request_adapter(pending_request)
+        request_id = pending_request.metadata.internal_request_id
+        self.local.routed(request_id, rid, adapter)
+        self.view.record_decision(adapter, rid)
+        kind = self._kinds.pop(request_id, None)
         if kind is not None:
-            if rid not in first:
-                kind = "full_spill"  # the preferred replicas were at max_ongoing_requests
             self.decisions[kind] += 1
             self.metrics.decision(kind)
 
+    def on_new_queue_len_info(self, replica_id, num_ongoing_requests: int) -> None:
+        super().on_new_queue_len_info(replica_id, num_ongoing_requests)
+        if num_ongoing_requests < getattr(self._by_id.get(replica_id.unique_id), "max_ongoing_requests", 0):
+            self._capacity_freed()
+
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
-        rid = replica_id.unique_id
-        if self._inflight[rid] > 0:
-            self._inflight[rid] -= 1
+        self.local.completed(internal_request_id)
+        self._capacity_freed()
 
     def on_replica_actor_died(self, replica_id) -> None:
         super().on_replica_actor_died(replica_id)
         self.view.states.pop(replica_id.unique_id, None)
+        self.local.forget_replica(replica_id.unique_id)
         self.view._touch()
+        self._capacity_freed()
 
     # ------------------------------------------------------------------ directory feed
 
@@ -148,7 +246,7 @@ class AdapterAffinityRouter(RequestRouter):
 
         Creating and calling a DeploymentHandle inside the router's event loop would wait on
         that same loop, so the feed runs blocking calls on a thread and hands each reply to
-        the loop with ``call_soon_threadsafe``.
+        the loop with ``call_soon_threadsafe``. The same thread exports the metrics.
         """
         if self._poll_thread is None or not self._poll_thread.is_alive():
             loop = asyncio.get_running_loop()
@@ -161,21 +259,31 @@ class AdapterAffinityRouter(RequestRouter):
 
         handle = None
         version = -1
+        exported = time.monotonic()
         while not loop.is_closed():
+            now = time.monotonic()
+            if now - exported >= self.metrics_export_interval_s:
+                exported = now
+                last = self.view.last_update
+                self.metrics.lag_s = now - last if last else 0.0
+                self._export_metrics()
             try:
                 if handle is None:
                     handle = serve.get_deployment_handle(self.directory_deployment, app_name=self.app_name)
                 started = time.monotonic()
-                reply = handle.get_changes.remote(version, self.poll_timeout_s).result(
-                    timeout_s=self.poll_timeout_s + 10)
+                timeout = min(self.poll_timeout_s, self.metrics_export_interval_s)
+                reply = handle.get_changes.remote(version, timeout).result(timeout_s=timeout + 10)
                 version = reply["version"] if "full" in reply or reply.get("epoch") == self._epoch_seen else -1
                 self._epoch_seen = reply.get("epoch")
                 loop.call_soon_threadsafe(self.view.apply_directory_reply, reply)
-                self.metrics.view_lag(0.0)
                 time.sleep(max(0.0, self.min_poll_interval_s - (time.monotonic() - started)))
             except Exception as exc:  # keep routing on what we have; try again shortly
                 log.debug("lorafleet router: directory poll failed: %r", exc)
-                last = self.view.last_update
-                self.metrics.view_lag(time.monotonic() - last if last else 0.0)
                 version = -1
                 time.sleep(1.0)
+
+    def _export_metrics(self) -> None:
+        try:
+            self.metrics.export()
+        except Exception as exc:  # metrics must never stop the feed
+            log.debug("lorafleet router: metrics export failed: %r", exc)

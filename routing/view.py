@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import time
 from collections import ChainMap
-from typing import Callable, Iterable, Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 import numpy as np
 
@@ -94,6 +94,7 @@ class RouterView:
         if cache is not None and replica_id in cache.index:
             i = cache.index[replica_id]
             cache.free_slots[i] = max(0, int(cache.free_slots[i]) - 1)
+            cache.free[i] = int(cache.free_slots[i])
 
     def _holds(self, replica_id: str, adapter: str) -> bool:
         return any(adapter_name(u) == adapter for u in self.states.get(replica_id, {}).get("resident", ()))
@@ -151,26 +152,39 @@ class RouterView:
         holders: dict[str, set[int]] = {}
         warm: dict[str, set[int]] = {}
         now = self._clock()
-        free = np.zeros(len(replica_ids), dtype=np.int64)
+        n = len(replica_ids)
+        free = np.zeros(n, dtype=np.int64)
+        slots = [0] * n
+        residents: list[tuple[str, ...]] = [()] * n
+        pinned: list[frozenset] = [frozenset()] * n
+        host_s: list[Optional[float]] = [None] * n
+        disk_s: list[Optional[float]] = [None] * n
         for i, replica_id in enumerate(replica_ids):
             state = self.states.get(replica_id)
             reserved = sum(1 for t in self._reserved.get(replica_id, {}).values() if t > now)
             if not state:
                 free[i] = max(0, 1 - reserved)  # a replica nobody has heard of yet: at least one free slot
                 continue
-            for uid in state.get("resident", {}):
-                holders.setdefault(adapter_name(uid), set()).add(i)
+            names = tuple(adapter_name(uid) for uid in state.get("resident", {}))
+            for name in names:
+                holders.setdefault(name, set()).add(i)
             for uid in (*state.get("host_cached", ()), *state.get("loading", ())):
                 warm.setdefault(adapter_name(uid), set()).add(i)
             free[i] = max(0, int(state.get("free_slots", 0)) - reserved)
-        return FleetView(replica_ids, holders=holders, warm=warm, free_slots=free)
+            slots[i] = int(state.get("slots", 0))
+            residents[i] = names
+            pinned[i] = frozenset(adapter_name(uid) for uid in state.get("pinned", ()))
+            timings = state.get("load_s") or {}
+            host_s[i], disk_s[i] = timings.get("host"), timings.get("disk")
+        return FleetView(replica_ids, holders=holders, warm=warm, free_slots=free, slots=slots, residents=residents,
+                         pinned=pinned, host_load_s=_fill_with_mean(host_s), disk_load_s=_fill_with_mean(disk_s))
 
 
-def replica_loads(replica_ids: Iterable[str], cached: Mapping[str, Optional[int]], inflight: Mapping[str, int],
-                  view: RouterView) -> np.ndarray:
-    """Queue length per replica: Serve's probed cache when fresh, else our own count or the report."""
-    loads = []
-    for r in replica_ids:
-        probed = cached.get(r)
-        loads.append(probed if probed is not None else max(inflight.get(r, 0), view.queue_len(r)))
-    return np.asarray(loads, dtype=np.float64)
+def _fill_with_mean(values: list[Optional[float]]) -> list[Optional[float]]:
+    """A replica that has not measured a timing yet gets the fleet's mean: pricing it with a
+    prior instead would make every measured replica look cheaper (or dearer) than a new one."""
+    known = [v for v in values if v is not None]
+    if not known or len(known) == len(values):
+        return values
+    mean = sum(known) / len(known)
+    return [mean if v is None else v for v in values]

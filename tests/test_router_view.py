@@ -1,6 +1,8 @@
 """RouterView: directory deltas, routing-stats reconciliation, optimistic decisions."""
 
-from routing.view import RouterView, adapter_name, replica_loads
+import pytest
+
+from routing.view import RouterView, adapter_name
 
 
 class Clock:
@@ -63,13 +65,6 @@ def test_host_cached_and_loading_adapters_are_warm_and_unknown_replicas_are_free
     view = v.fleet_view(("r0", "r9"))
     assert view.warm == {"h": {0}, "l": {0}}
     assert list(view.free_slots) == [0, 1]
-
-
-def test_loads_prefer_probed_queue_lengths():
-    v = RouterView()
-    v.apply_directory_reply({"epoch": "e", "version": 1, "full": {"r0": state("r0", 1, {}, queue_len=4)}})
-    loads = replica_loads(["r0", "r1", "r2"], {"r0": None, "r1": 2, "r2": None}, {"r2": 5}, v)
-    assert list(loads) == [4, 2, 5]
 
 
 def test_adapter_name_strips_the_registration_id():
@@ -138,3 +133,78 @@ def test_a_decision_is_not_extended_so_an_evicted_adapter_stops_attracting_traff
         v.record_decision("x", "r1")  # more sends while it is live: they must not extend it
     clock.now += 0.6  # 2.1 s after the first send
     assert "x" not in v.fleet_view(("r0", "r1"), "x").holders
+
+
+# ---------------------------------------------------------------------------- LocalRouterState
+
+from routing.router_state import LocalRouterState  # noqa: E402
+
+
+def test_local_state_tracks_requests_in_flight_and_their_adapters():
+    clock = Clock()
+    s = LocalRouterState(clock=clock)
+    s.routed("q1", "r0", "a")
+    s.routed("q2", "r0", "a")
+    s.routed("q3", "r0", None)
+    assert s.inflight["r0"] == 3 and s.active["r0"] == {"a": 2, None: 1}
+    clock.now += 0.5
+    assert s.completed("q1") == "r0" and s.active["r0"] == {"a": 1, None: 1}
+    assert s.completed("q1") is None  # twice: ignored
+    s.completed("q2")
+    s.completed("q3")
+    assert s.inflight["r0"] == 0 and not s.active["r0"]
+    active = s.active_by_index(("r1", "r0"))
+    assert active[0] == {} and active[1] == {}
+
+
+def test_request_time_is_an_ewma_and_unmeasured_replicas_get_the_mean():
+    clock = Clock()
+    s = LocalRouterState(clock=clock, request_time_alpha=0.5)
+    for seconds in (1.0, 3.0):
+        s.routed("q", "r0", "a")
+        clock.now += seconds
+        s.completed("q")
+    times = s.request_s_by_index(("r0", "r1"))
+    assert times[0] == 2.0 and times[1] == 2.0  # 1, then 1 + 0.5 * (3 - 1); r1: the mean of measured ones
+    assert LocalRouterState().request_s_by_index(("r0",))[0] is None
+
+
+def test_a_choice_counts_against_its_replica_until_serve_sends_it_or_it_expires():
+    clock = Clock()
+    s = LocalRouterState(clock=clock, send_ttl_s=1.0)
+    s.chose("q1", "r0")
+    s.chose("q2", "r0")
+    s.chose("q2", "r1")  # the same request decided again: its earlier choice is released
+    assert s.pending == {"r0": 1, "r1": 1}
+    s.sent("r0")
+    assert s.pending == {"r1": 1}
+    clock.now += 2
+    s.expire()  # never sent (cancelled): the row comes back
+    assert not s.pending
+
+
+def test_demand_decays_with_time():
+    clock = Clock()
+    s = LocalRouterState(clock=clock, demand_tau_s=10.0)
+    for _ in range(10):
+        s.routed("q", "r0", "hot")
+        s.completed("q")
+    rate = s.demand.get("hot")
+    assert rate == pytest.approx(1.0)  # 10 requests / tau
+    clock.now += 10
+    assert s.demand.get("hot") == pytest.approx(rate / 2.718281828, rel=1e-6)
+    assert s.demand.get("never") == 0.0
+    clock.now += 1000
+    s.demand.prune()
+    assert len(s.demand) == 0
+
+
+def test_replicas_without_measured_load_times_are_priced_at_the_fleet_mean():
+    v = RouterView()
+    v.apply_directory_reply({"epoch": "e", "version": 1, "full": {
+        "r0": state("r0", 1, {}, slots=2, load_s={"host": 0.002, "disk": 0.04}),
+        "r1": state("r1", 1, {}, slots=2, load_s={"host": 0.004, "disk": None}),
+        "r2": state("r2", 1, {}, slots=2)}})
+    view = v.fleet_view(("r0", "r1", "r2"))
+    assert view.host_load_s == [0.002, 0.004, 0.003] and view.disk_load_s == [0.04, 0.04, 0.04]
+    assert view.slots == [2, 2, 2]

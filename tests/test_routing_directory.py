@@ -118,3 +118,31 @@ def test_a_replica_first_heard_of_mid_stream_is_asked_for_a_snapshot():
     d.apply_snapshot({"replica_id": "r1", "seq": 7, "slots": 3, "resident": {"a": 0}, "pinned": []})
     assert not d.needs_resync("r1") and d.replicas["r1"].free_slots == 2
     assert d.apply_events("r2", [ev("load", "b", 0, 1, "r2")])  # a replica's very first event: no snapshot needed
+
+
+def test_load_timings_reach_the_view_and_only_real_changes_bump_the_version():
+    d = AdapterDirectory()
+    d.heartbeat("r0", queue_len=1, load_s={"host": 0.0048, "disk": 0.088})
+    assert d.full_view()["r0"]["load_s"] == {"host": 0.0048, "disk": 0.088}
+    version = d.version
+    d.heartbeat("r0", queue_len=1, load_s={"host": 0.0048, "disk": 0.088})
+    assert d.version == version  # nothing moved: routers are not woken
+    d.heartbeat("r0", queue_len=1, load_s={"host": 0.0051, "disk": 0.088})
+    assert d.version == version + 1
+
+
+def test_load_timings_are_ewmas_of_pool_counters_and_timed_reads_rounded_to_two_digits():
+    from routing.load_timings import LoadTimings
+
+    t = LoadTimings(alpha=0.5)
+    assert t.report() == {"host": None, "disk": None}
+    t.observe_pool(0, 0.0)
+    t.observe_pool(2, 0.01)            # two loads, 5 ms each
+    t.observe_pool(2, 0.01)            # no new loads: unchanged
+    t.observe_pool(3, 0.02)            # one load of 10 ms: 5 + 0.5 * (10 - 5)
+    t.observe_disk(0.1)
+    t.observe_disk(0.2)
+    assert t.report() == {"host": 0.0075, "disk": 0.15}
+    with t.disk_read():
+        pass
+    assert t.disk_s < 0.15

@@ -1,75 +1,135 @@
-"""The routing decision: affinity, bounded-load rendezvous placement and spill, base, determinism."""
+"""The routing decision: expected completion time, rendezvous ties, waiting, base, agreement."""
 
 import numpy as np
 import pytest
 
 from routing.hashing import rendezvous_order, stable_hash
-from routing.policy import FleetView, RoutingConfig, choose_replicas, load_bound
+from routing.policy import FleetView, RoutingConfig, choose_replicas
 
 IDS = tuple(f"replica-{i}" for i in range(8))
+CAPS = [8.0] * 8
 
 
-def view(holders=None, warm=None, free=None):
-    return FleetView(IDS, holders=holders or {}, warm=warm or {},
-                     free_slots=np.array(free if free is not None else [0] * len(IDS)))
+def view(holders=None, warm=None, free=None, slots=4, residents=None, pinned=None, host_s=None, disk_s=None,
+         ids=IDS):
+    n = len(ids)
+    return FleetView(ids, holders=holders or {}, warm=warm or {},
+                     free_slots=np.array(free if free is not None else [1] * n), slots=[slots] * n,
+                     residents=residents, pinned=pinned,
+                     host_load_s=[host_s] * n if host_s is not None else None,
+                     disk_load_s=[disk_s] * n if disk_s is not None else None)
 
 
-def test_holder_under_the_bound_wins():
+def order_of(adapter, ids=IDS):
+    return [ids.index(r) for r in rendezvous_order(adapter, list(ids))]
+
+
+def test_a_holder_with_room_wins():
+    decision = choose_replicas("a", view({"a": {2, 5}}), np.zeros(8), caps=CAPS)
+    assert decision.kind == "affinity" and decision.tiers[0][0] in {2, 5}
+
+
+def test_the_less_loaded_holder_wins():
     loads = np.zeros(8)
-    decision = choose_replicas("a", view({"a": {2, 5}}), loads)
-    assert decision.kind == "affinity" and set(decision.tiers[0]) == {2, 5}
+    loads[2] = 3
+    decision = choose_replicas("a", view({"a": {2, 5}}), loads, caps=CAPS)
+    assert decision.tiers == [[5]]
 
 
-def test_least_loaded_holder_first():
-    loads = np.array([0, 0, 2, 0, 0, 1, 0, 0], dtype=float)
-    decision = choose_replicas("a", view({"a": {2, 5}}), loads, RoutingConfig(load_bound_epsilon=10))
-    assert decision.tiers[0] == [5, 2]
+def test_a_cold_adapter_goes_to_its_rendezvous_replica_when_all_are_alike():
+    decision = choose_replicas("cold", view(), np.zeros(8), caps=CAPS)
+    assert decision.kind == "placement" and decision.tiers == [[order_of("cold")[0]]]
 
 
-def test_cold_adapter_goes_to_its_rendezvous_replica():
-    decision = choose_replicas("cold", view(), np.zeros(8), RoutingConfig(placement_lookahead=1))
-    assert decision.kind == "placement"
-    assert IDS[decision.tiers[0][0]] == rendezvous_order("cold", list(IDS))[0]
-
-
-def test_overloaded_holders_spill_to_the_next_free_rendezvous_replica():
-    order = [IDS.index(r) for r in rendezvous_order("hot", list(IDS))]
+def test_a_full_holder_with_a_cheap_load_elsewhere_spills_at_once():
+    """Work-conserving: an idle replica whose ECT is lower never waits behind a busy holder."""
+    order = order_of("hot")
     loads = np.zeros(8)
-    loads[order[0]] = 10  # the hot adapter's holder is far above the mean
-    free = [1] * 8
-    decision = choose_replicas("hot", view({"hot": {order[0]}}, free=free), loads)
-    assert decision.kind == "spill"
-    assert decision.tiers[0] == [order[1]]  # the next in its hash order: replicas of a hot adapter stay few
-    assert decision.tiers[1] == [order[0]]  # the holder stays as a fallback tier
+    loads[order[0]] = 8  # full: Serve would not send there now
+    decision = choose_replicas("hot", view({"hot": {order[0]}}, host_s=0.001, disk_s=0.002), loads, caps=CAPS,
+                               request_s=[0.2] * 8)
+    assert decision.kind == "spill" and not decision.wait
+    assert decision.tiers == [[order[1]]]  # the next in its rendezvous order: replicas of a hot adapter stay few
 
 
-def test_without_a_free_slot_overloaded_holders_stay_first():
-    """No eviction to relieve load: Serve moves on only when the holder is at max_ongoing_requests."""
-    order = [IDS.index(r) for r in rendezvous_order("hot", list(IDS))]
+def test_a_full_holder_with_an_expensive_load_elsewhere_waits():
+    order = order_of("hot")
     loads = np.zeros(8)
-    loads[order[0]] = 10
-    decision = choose_replicas("hot", view({"hot": {order[0]}}), loads)
-    assert decision.kind == "affinity" and decision.tiers == [[order[0]]]  # nowhere to go without evicting
-    waited = choose_replicas("hot", view({"hot": {order[0]}}), loads, waited_s=5.0)
-    assert waited.tiers[1] == [order[1]]  # after spill_wait_s: its rendezvous replica, then the least loaded
+    loads[order[0]] = 8
+    decision = choose_replicas("hot", view({"hot": {order[0]}}, disk_s=1.0), loads, caps=CAPS, request_s=[0.2] * 8)
+    assert decision.wait and decision.tiers == [] and decision.best == order[0]
 
 
-def test_placement_prefers_a_free_slot_or_host_copy_within_the_lookahead():
-    order = [IDS.index(r) for r in rendezvous_order("x", list(IDS))]
+def test_queue_wait_trades_against_load_time():
+    """The holder keeps the request until its queue wait exceeds the load elsewhere."""
+    loads = np.zeros(2)
+    ids = IDS[:2]
+    v = view({"a": {0}}, disk_s=0.1, ids=ids)
+    kinds = []
+    for q in range(8):
+        loads[0] = q
+        kinds.append(choose_replicas("a", v, loads, RoutingConfig(tie_epsilon=0.0), caps=[8, 8],
+                                     request_s=[0.4, 0.4]).kind)
+    # q * 0.4 / 8 > 0.1 from q = 3 on
+    assert kinds == ["affinity"] * 3 + ["spill"] * 5
+
+
+def test_a_free_slot_beats_an_eviction_and_a_host_copy_beats_a_disk_read():
+    order = order_of("x")
     free = [0] * 8
-    free[order[1]] = 1
-    decision = choose_replicas("x", view(free=free), np.zeros(8), RoutingConfig(placement_lookahead=2))
-    assert decision.tiers[0] == [order[1]]
-    warm = choose_replicas("x", view(warm={"x": {order[1]}}), np.zeros(8), RoutingConfig(placement_lookahead=2))
-    assert warm.tiers[0] == [order[1]]
-    beyond = choose_replicas("x", view(warm={"x": {order[3]}}), np.zeros(8), RoutingConfig(placement_lookahead=2))
-    assert beyond.tiers[0] == [order[0]]
+    free[order[2]] = 1
+    decision = choose_replicas("x", view(free=free), np.zeros(8), caps=CAPS)
+    assert decision.tiers == [[order[2]]]
+    warm = choose_replicas("x", view(warm={"x": {order[3]}}, free=[0] * 8, host_s=0.001, disk_s=0.5),
+                           np.zeros(8), caps=CAPS)
+    assert warm.tiers == [[order[3]]]
+
+
+def test_an_adapter_that_cannot_join_the_running_batch_goes_where_it_can():
+    ids = IDS[:2]
+    slots_busy = [{"b": 2, "c": 1}, {}]  # replica 0 runs two other adapters in its 2 slots
+    v = view({"a": {0}}, slots=2, free=[0, 1], residents=[("b", "c"), ()], ids=ids)
+    decision = choose_replicas("a", v, [3, 3], caps=[8, 8], active=slots_busy, request_s=[0.4, 0.4])
+    assert decision.tiers == [[1]]
+    joinable = [{"a": 1, "c": 1}, {}]
+    assert choose_replicas("a", v, [3, 3], caps=[8, 8], active=joinable, request_s=[0.4, 0.4]).tiers == [[0]]
+
+
+def test_evicting_an_adapter_in_demand_costs_its_reload():
+    ids = IDS[:2]
+    v = view(free=[0, 0], residents=[("busy",), ("idle",)], host_s=0.01, disk_s=0.01, ids=ids)
+    cfg = RoutingConfig(tie_epsilon=0.0)
+    decision = choose_replicas("new", v, [0, 0], cfg, caps=[8, 8], demand={"busy": 5.0, "idle": 0.0})
+    assert decision.tiers == [[1]] and decision.ect[0] > decision.ect[1]
+    flipped = choose_replicas("new", v, [0, 0], cfg, caps=[8, 8], demand={"busy": 0.0, "idle": 5.0})
+    assert flipped.tiers == [[0]]
+
+
+def test_pinned_adapters_are_never_victims():
+    """Replica 0's idle adapter is pinned, so its victim is the one in demand: both replicas cost a reload."""
+    ids = IDS[:2]
+    v = view(free=[0, 0], slots=2, residents=[("p", "r"), ("q", "s")], pinned=[frozenset({"p"}), frozenset()],
+             host_s=0.01, disk_s=0.01, ids=ids)
+    decision = choose_replicas("new", v, [0, 0], RoutingConfig(tie_epsilon=0.0), caps=[8, 8], active=[{}, {}],
+                               demand={"p": 0.0, "r": 5.0, "q": 5.0, "s": 5.0})
+    assert decision.ect[0] == pytest.approx(decision.ect[1]) == pytest.approx(0.02)
 
 
 def test_base_model_requests_go_least_loaded():
     loads = np.array([3, 1, 2, 0, 5, 4, 6, 7], dtype=float)
-    decision = choose_replicas(None, view(), loads)
-    assert decision.kind == "base" and decision.tiers[0] == [3, 1]
+    decision = choose_replicas(None, view(), loads, caps=CAPS)
+    assert decision.kind == "base" and decision.tiers == [[3]]
+
+
+def test_all_full_means_wait():
+    decision = choose_replicas("a", view({"a": {1}}), np.full(8, 8.0), caps=CAPS)
+    assert decision.wait and decision.kind == "wait" and decision.tiers == []
+
+
+def test_expected_completion_time_grows_with_the_queue():
+    v = view({"a": {0}})
+    ects = [choose_replicas("a", v, np.array([q, 7, 7, 7, 7, 7, 7, 7.0]), caps=CAPS).ect[0] for q in range(8)]
+    assert ects == sorted(ects) and ects[0] < ects[-1]
 
 
 DECISIONS = """
@@ -80,11 +140,13 @@ rng = np.random.default_rng(0)
 ids = tuple(f"replica-{i}" for i in range(8))
 out = []
 for _ in range(300):
-    loads = rng.integers(0, 6, 8).astype(float)
+    loads = rng.integers(0, 9, 8).astype(float)
     holders = {f"a{i}": set(rng.choice(8, 2, replace=False).tolist()) for i in range(5)}
-    warm = {f"a{i}": set(rng.choice(8, 1).tolist()) for i in range(5, 8)}
-    view = FleetView(ids, holders=holders, warm=warm, free_slots=rng.integers(0, 2, 8))
-    d = choose_replicas(f"a{rng.integers(0, 10)}", view, loads, waited_s=float(rng.choice([0.0, 5.0])))
+    warm = {f"a{i}": set(rng.choice(8, 1).tolist()) for i in range(3, 8)}
+    view = FleetView(ids, holders=holders, warm=warm, free_slots=rng.integers(0, 2, 8), slots=[4] * 8,
+                     host_load_s=[0.05] * 8, disk_load_s=[1.0] * 8)
+    d = choose_replicas(f"a{rng.integers(0, 10)}", view, loads, caps=[8] * 8,
+                        request_s=rng.uniform(0.1, 0.5, 8).tolist())
     out.append([d.kind, [[int(i) for i in tier] for tier in d.tiers]])
 print(json.dumps(out))
 """
@@ -105,19 +167,17 @@ def test_routers_in_processes_with_different_hash_seeds_agree():
         assert proc.returncode == 0, proc.stderr[-2000:]
         runs.append(json.loads(proc.stdout))
     assert runs[0] == runs[1]
-    assert {kind for kind, _ in runs[0]} >= {"affinity", "placement", "spill"}  # every path was exercised
+    assert {kind for kind, _ in runs[0]} >= {"affinity", "placement", "spill", "wait"}  # every path was exercised
 
 
-def test_first_choice_always_respects_the_load_bound():
-    rng = np.random.default_rng(1)
-    for _ in range(300):
-        loads = rng.integers(0, 10, 8).astype(float)
-        decision = choose_replicas(f"a{rng.integers(0, 50)}", view({"a1": {0, 1}}), loads)
-        bound = load_bound(loads, 0.25)
-        if decision.kind == "affinity":
-            assert set(decision.tiers[0]) <= {0, 1}  # holders, however loaded
-        else:
-            assert all(loads[i] + 1 <= bound for i in decision.tiers[0])
+def test_slightly_different_estimates_still_agree_within_the_tie():
+    """Two routers whose measured request times differ a little choose the same cold placement."""
+    v = view()
+    loads = np.array([1, 1, 1, 1, 2, 2, 2, 2], dtype=float)
+    first = choose_replicas("cold", v, loads, caps=CAPS, request_s=[0.30] * 8)
+    second = choose_replicas("cold", v, loads + np.array([0, 0, 0, 0, 0, 0, 0, 0.0]), caps=CAPS,
+                             request_s=[0.33] * 8)
+    assert first.tiers == second.tiers
 
 
 def test_rendezvous_is_stable_when_replicas_join():
@@ -140,29 +200,10 @@ def test_empty_fleet():
 
 
 @pytest.mark.parametrize("n", [1, 2, 64, 1024])
-def test_every_tier_index_is_valid(n):
+def test_the_choice_is_a_valid_index_and_large_fleets_score_holders(n):
     ids = tuple(f"r{i}" for i in range(n))
-    decision = choose_replicas("a", FleetView(ids, holders={"a": {0}}), np.arange(n, dtype=float))
-    flat = [i for t in decision.tiers for i in t]
-    assert flat and all(0 <= i < n for i in flat) and len(flat) == len(set(flat))
-
-
-def test_min_load_bound_keeps_low_load_requests_on_their_holder():
-    loads = np.zeros(8)
-    loads[2] = 2  # above (1+eps)*mean at this low load, but far from a full batch
-    holders = view({"a": {2}}, free=[1] * 8)
-    assert choose_replicas("a", holders, loads).kind == "spill"
-    floored = choose_replicas("a", holders, loads, RoutingConfig(min_load_bound=8))
-    assert floored.kind == "affinity" and floored.tiers[0] == [2]
-
-
-def test_full_holders_spill_only_to_free_slots_until_the_request_has_waited():
-    order = [IDS.index(r) for r in rendezvous_order("a", list(IDS))]
-    loads = np.zeros(8)
-    free = [0] * 8
-    free[order[3]] = 1
-    fresh = choose_replicas("a", view({"a": {order[0]}}, free=free), loads)
-    assert fresh.tiers[0] == [order[0]]
-    assert [i for t in fresh.tiers[1:] for i in t] == [order[3]]  # no evicting fallback yet
-    waited = choose_replicas("a", view({"a": {order[0]}}, free=free), loads, RoutingConfig(spill_wait_s=1.0), 1.5)
-    assert waited.tiers[1] == [order[1]] and len([i for t in waited.tiers[1:] for i in t]) > 1
+    loads = np.arange(n, dtype=float) % 8
+    decision = choose_replicas("a", FleetView(ids, holders={"a": {n - 1}}), loads, caps=[8] * n)
+    assert decision.tiers and all(0 <= i < n for t in decision.tiers for i in t)
+    assert n - 1 in decision.ect  # the holder is always a candidate, however large the fleet
+    assert len(decision.ect) <= max(n, 16)

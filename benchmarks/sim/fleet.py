@@ -41,47 +41,10 @@ from pool.shapes import LoRAModelShape
 from routing.directory import AdapterDirectory
 
 from ..traces import Trace, adapter_uid
-from .costs import CostModel
+from .config import SimConfig, SimRequest
+from .routers import ROUTERS
 
 _RETRY, _DONE, _SYNC = 1, 2, 3
-
-
-@dataclass(frozen=True)
-class SimConfig:
-    replicas: int = 8
-    router: str = "affinity"
-    slots: int = 8                  # max_loras_per_batch
-    max_batch: int = 16             # running requests per replica = max_ongoing_requests
-    max_lora_rank: int = 64
-    eviction_policy: str = "lru"
-    lag_s: float = 0.1              # pool event -> router view
-    load_bound_epsilon: float = 0.25
-    placement_lookahead: int = 2
-    optimistic_ttl_s: float = 3.0   # the router's default
-    multiplex_timeout_s: float = 1.0  # Serve's RAY_SERVE_MULTIPLEXED_MODEL_ID_MATCHING_TIMEOUT_S (x U(1, 2))
-    backoff_initial_s: float = 0.025
-    backoff_max_s: float = 0.5
-    warmup_fraction: float = 0.25   # requests (by arrival) left out of the statistics
-    max_bypass_steps: int = 16
-    seed: int = 0
-    costs: CostModel = field(default_factory=CostModel)
-
-
-class SimRequest:
-    __slots__ = ("i", "uid", "arrival", "in_len", "out_len", "rank", "blocked_steps", "attempt", "replica",
-                 "t_dispatch", "t_admit", "t_first", "t_done", "stall_seen", "loaded", "load_s", "disk", "mux_start", "mux_tried_first",
-                 "mux_tried_fewest")
-
-    def __init__(self, i: int, uid: str, arrival: float, in_len: int, out_len: int, rank: int):
-        self.i, self.uid, self.arrival, self.in_len, self.out_len, self.rank = i, uid, arrival, in_len, out_len, rank
-        self.blocked_steps = 0
-        self.attempt = 0
-        self.replica = -1
-        self.t_dispatch = self.t_admit = self.t_first = self.t_done = self.stall_seen = 0.0
-        self.loaded = self.disk = False
-        self.load_s = 0.0
-        self.mux_start: Optional[float] = None
-        self.mux_tried_first = self.mux_tried_fewest = False
 
 
 class HostTier:
@@ -158,8 +121,6 @@ class SimResult:
 
 class Simulator:
     def __init__(self, trace: Trace, config: SimConfig):
-        from .routers import ROUTERS
-
         if config.router not in ROUTERS:
             raise ValueError(f"unknown router {config.router!r}; choose one of {sorted(ROUTERS)}")
         self.trace, self.config = trace, config
@@ -181,6 +142,8 @@ class Simulator:
         self.heap: list = []
         self._seq = 0
         self.retries = 0
+        self.waiting: deque[SimRequest] = deque()  # requests waiting for capacity (routers that wait)
+        self.routing_tasks = config.routing_tasks_per_replica * config.replicas
 
     # ------------------------------------------------------------------ plumbing
 
@@ -276,17 +239,41 @@ class Simulator:
         else:
             replica.pool.release_batch()
         self.done += 1
+        self.router.finished(req)
         self._admit(replica)
+        if self.waiting:
+            self._retry_waiting()
 
     def _route(self, req: SimRequest) -> None:
+        if req.replica >= 0:
+            return  # a poll for a request that a completion already placed
+        cfg = self.config
+        if self.router.waits_for_capacity and not req.waiting and len(self.waiting) >= self.routing_tasks:
+            req.waiting = True  # Serve routes only the oldest few waiting requests at a time
+            self.waiting.append(req)
+            return
         idx = self.router.route(req, self.now)
-        if idx is None:
-            delay = min(self.config.backoff_initial_s * (2 ** req.attempt), self.config.backoff_max_s)
-            req.attempt += 1
-            self.retries += 1
-            self._push(self.now + delay, _RETRY, req)
-        else:
+        if idx is not None:
+            if req.waiting:
+                req.waiting = False
+                self.waiting.remove(req)
             self._dispatch(req, idx)
+            return
+        req.attempt += 1
+        self.retries += 1
+        if self.router.waits_for_capacity:
+            if not req.waiting:
+                req.waiting = True
+                self.waiting.append(req)
+            self._push(self.now + cfg.capacity_poll_s, _RETRY, req)
+        else:
+            delay = min(cfg.backoff_initial_s * (2 ** (req.attempt - 1)), cfg.backoff_max_s)
+            self._push(self.now + delay, _RETRY, req)
+
+    def _retry_waiting(self) -> None:
+        """A completion freed a row: the oldest waiting requests (as many as Serve routes at once) decide again."""
+        for req in list(self.waiting)[: self.routing_tasks]:
+            self._route(req)
 
     # ------------------------------------------------------------------ loop
 

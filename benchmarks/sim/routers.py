@@ -1,10 +1,11 @@
 """The routers the simulator compares.
 
 ``affinity`` is this project's router: ``routing.view.RouterView`` (fed by the real
-``AdapterDirectory``'s deltas, plus its own optimistic decisions) and
-``routing.policy.choose_replicas``; the request goes to the first replica of the first
-tier that is below ``max_ongoing_requests`` (Ray Serve skips a full replica and tries the
-next tier), else it backs off and retries.
+``AdapterDirectory``'s deltas, plus its own optimistic decisions), the same
+``routing.router_state.LocalRouterState`` the Serve router keeps (requests in flight and
+their adapters, request times, demand) and ``routing.policy.choose_replicas``. A request
+whose best replica is full waits for capacity, as in ``routing.ray_router``: it decides
+again when a request completes (or every ``capacity_poll_s``).
 
 The baselines are small implementations of other routers' logic (the comparison, not the
 product):
@@ -19,41 +20,58 @@ product):
   replicas once, then all replicas. Each attempt picks two random candidates and takes
   the less loaded one that is not full. The model set is the pool's resident set as seen
   through the same lagged directory feed (no optimistic updates: Serve has none).
+- ``pow2``: Serve's default router (``pow_2_router.py``): two distinct random replicas,
+  the less loaded one that is not full.
 - ``least_loaded``: the replica with the fewest ongoing requests (ties random).
 - ``hash``: plain consistent (rendezvous) hashing on the adapter, no load bound: the
   first replica in the adapter's hash order that is not full.
 - ``random``: a uniformly random replica that is not full.
 
-Every router backs off like Serve (25 ms doubling to 0.5 s) when it finds no replica.
+Every other router backs off like Serve (25 ms doubling to 0.5 s) when it finds no replica.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Optional
+from typing import Optional, Protocol
 
 import numpy as np
 
 from routing.hashing import rendezvous_scores, stable_hash
 from routing.policy import FleetView, RoutingConfig, choose_replicas
+from routing.router_state import LocalRouterState
 from routing.view import RouterView
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .fleet import Simulator, SimRequest
+from .config import SimConfig, SimRequest
+
+
+class Fleet(Protocol):
+    """What a router reads from the simulated fleet (the event loop in ``fleet`` implements it)."""
+
+    ids: tuple[str, ...]
+    ongoing: np.ndarray
+    max_ongoing: int
+    now: float
+    config: SimConfig
+
 
 class Router(ABC):
     name = "base"
     uses_view = False
+    waits_for_capacity = False  # True: a request it cannot place now waits for a completion, not a backoff
 
-    def __init__(self, sim: "Simulator"):
+    def __init__(self, sim: Fleet):
         self.sim = sim
         self.rng = np.random.default_rng(sim.config.seed + 7919)
         self.kinds: dict[str, int] = {}
 
     @abstractmethod
-    def route(self, req: "SimRequest", now: float) -> Optional[int]:
+    def route(self, req: SimRequest, now: float) -> Optional[int]:
         """The replica index for ``req`` now, or None when every replica is full (it waits)."""
+
+    def finished(self, req: SimRequest) -> None:
+        """``req`` completed on its replica (routers that learn from their traffic)."""
 
     def apply_directory_reply(self, reply: Mapping) -> None:  # pragma: no cover - view routers only
         pass
@@ -67,7 +85,7 @@ class _ViewRouter(Router):
 
     uses_view = True
 
-    def __init__(self, sim: "Simulator"):
+    def __init__(self, sim: Fleet):
         super().__init__(sim)
         self.view = RouterView(ttl_s=sim.config.optimistic_ttl_s, clock=lambda: sim.now)
 
@@ -76,28 +94,38 @@ class _ViewRouter(Router):
 
 
 class AffinityRouter(_ViewRouter):
-    """This project's router: RouterView + choose_replicas, first non-full replica of the first tier."""
+    """This project's router: RouterView + LocalRouterState + choose_replicas (see the module docstring)."""
 
     name = "affinity"
+    waits_for_capacity = True
 
-    def __init__(self, sim: "Simulator"):
+    def __init__(self, sim: Fleet):
         super().__init__(sim)
-        self.config = RoutingConfig(load_bound_epsilon=sim.config.load_bound_epsilon,
-                                    placement_lookahead=sim.config.placement_lookahead)
+        costs = sim.config.costs
+        host_s, disk_s = costs.load_seconds(16, True), costs.load_seconds(16, False)
+        self.config = RoutingConfig(tie_epsilon=sim.config.load_bound_epsilon, default_max_ongoing=sim.max_ongoing,
+                                    host_load_s=host_s, disk_load_s=disk_s,
+                                    default_request_s=costs.service_seconds(256, 256))
+        self.local = LocalRouterState(clock=lambda: sim.now)
+        self.caps = [float(sim.max_ongoing)] * len(sim.ids)
 
     def route(self, req, now):
-        sim = self.sim
-        ongoing, cap = sim.ongoing, sim.max_ongoing
-        decision = choose_replicas(req.uid, self.view.fleet_view(sim.ids, req.uid), ongoing, self.config,
-                                   now - req.arrival)
-        for rank, tier in enumerate(decision.tiers):
-            for i in tier:
-                if ongoing[i] < cap:
-                    self._count(decision.kind if rank == 0 else "full_spill")
-                    self.view.record_decision(req.uid, sim.ids[i])
-                    return i
-        self._count("all_full")
-        return None
+        sim, local = self.sim, self.local
+        ids = sim.ids
+        decision = choose_replicas(req.uid, self.view.fleet_view(ids, req.uid), sim.ongoing, self.config,
+                                   caps=self.caps, request_s=local.request_s_by_index(ids),
+                                   active=local.active_by_index(ids), demand=local.demand)
+        if not decision.tiers:
+            self._count("wait")
+            return None
+        i = decision.tiers[0][0]
+        self._count(decision.kind)
+        self.view.record_decision(req.uid, ids[i])
+        local.routed(str(req.i), ids[i], req.uid)
+        return i
+
+    def finished(self, req):
+        self.local.completed(str(req.i))
 
 
 class MultiplexRouter(_ViewRouter):
@@ -105,7 +133,7 @@ class MultiplexRouter(_ViewRouter):
 
     name = "multiplex"
 
-    def __init__(self, sim: "Simulator"):
+    def __init__(self, sim: Fleet):
         super().__init__(sim)
         self.fallback_match: set[str] = set()
         self._fewest_for: Optional[FleetView] = None
@@ -163,6 +191,23 @@ class MultiplexRouter(_ViewRouter):
         return best
 
 
+class Pow2Router(Router):
+    """Ray Serve's default: two distinct random replicas, the less loaded that is not full."""
+
+    name = "pow2"
+
+    def route(self, req, now):
+        ongoing, cap = self.sim.ongoing, self.sim.max_ongoing
+        n = len(ongoing)
+        if n == 1:
+            return 0 if ongoing[0] < cap else None
+        i = int(self.rng.integers(n))
+        j = int(self.rng.integers(n - 1))
+        j += j >= i
+        ok = [c for c in (i, j) if ongoing[c] < cap]
+        return min(ok, key=lambda c: ongoing[c]) if ok else None
+
+
 class LeastLoadedRouter(Router):
     name = "least_loaded"
 
@@ -180,7 +225,7 @@ class HashRouter(Router):
 
     name = "hash"
 
-    def __init__(self, sim):
+    def __init__(self, sim: Fleet):
         super().__init__(sim)
         self.hashes = np.fromiter((stable_hash(r) for r in sim.ids), dtype=np.uint64, count=len(sim.ids))
 
@@ -206,5 +251,5 @@ class RandomRouter(Router):
 
 
 ROUTERS: dict[str, type[Router]] = {
-    r.name: r for r in (AffinityRouter, MultiplexRouter, LeastLoadedRouter, HashRouter, RandomRouter)
+    r.name: r for r in (AffinityRouter, MultiplexRouter, Pow2Router, LeastLoadedRouter, HashRouter, RandomRouter)
 }

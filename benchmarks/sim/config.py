@@ -1,0 +1,48 @@
+"""The simulator's settings and its request record (shared by the event loop and the routers)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .costs import CostModel
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    replicas: int = 8
+    router: str = "affinity"
+    slots: int = 8                  # max_loras_per_batch
+    max_batch: int = 16             # running requests per replica = max_ongoing_requests
+    max_lora_rank: int = 64
+    eviction_policy: str = "lru"
+    lag_s: float = 0.1              # pool event -> router view
+    load_bound_epsilon: float = 0.25
+    capacity_poll_s: float = 0.05   # affinity: a waiting request re-decides this often without a completion
+    routing_tasks_per_replica: int = 2  # Serve routes at most this many waiting requests per replica at once
+    optimistic_ttl_s: float = 3.0   # the router's default
+    multiplex_timeout_s: float = 1.0  # Serve's RAY_SERVE_MULTIPLEXED_MODEL_ID_MATCHING_TIMEOUT_S (x U(1, 2))
+    backoff_initial_s: float = 0.025
+    backoff_max_s: float = 0.5
+    warmup_fraction: float = 0.25   # requests (by arrival) left out of the statistics
+    max_bypass_steps: int = 16
+    seed: int = 0
+    costs: CostModel = field(default_factory=CostModel)
+
+
+class SimRequest:
+    __slots__ = ("i", "uid", "arrival", "in_len", "out_len", "rank", "blocked_steps", "attempt", "replica",
+                 "t_dispatch", "t_admit", "t_first", "t_done", "stall_seen", "loaded", "load_s", "disk", "mux_start", "mux_tried_first",
+                 "mux_tried_fewest", "waiting")
+
+    def __init__(self, i: int, uid: str, arrival: float, in_len: int, out_len: int, rank: int):
+        self.i, self.uid, self.arrival, self.in_len, self.out_len, self.rank = i, uid, arrival, in_len, out_len, rank
+        self.blocked_steps = 0
+        self.attempt = 0
+        self.replica = -1
+        self.t_dispatch = self.t_admit = self.t_first = self.t_done = self.stall_seen = 0.0
+        self.loaded = self.disk = False
+        self.load_s = 0.0
+        self.mux_start: Optional[float] = None
+        self.mux_tried_first = self.mux_tried_fewest = False
+        self.waiting = False  # in the fleet's queue of requests waiting for capacity

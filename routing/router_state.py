@@ -1,0 +1,160 @@
+"""What one router learns from its own traffic, kept cheap enough for every decision.
+
+- requests in flight per replica and the adapters they use (whether an adapter can join a
+  replica's running batch now);
+- each replica's recent request time (seconds from send to completion, an EWMA): the
+  ``T`` of the policy's queue wait;
+- each adapter's recent demand (requests per second, exponentially decayed): what an
+  eviction costs;
+- decisions handed to Serve but not yet counted in its queue-length cache, so routing
+  tasks that decide in the same instant do not all pick the one free row.
+
+No Ray here: ``routing.ray_router`` and the simulator drive the same code.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from typing import Callable, Mapping, Optional, Sequence
+
+_EMPTY: Mapping = {}
+
+
+class DemandRates:
+    """Requests per second per adapter, decayed with time constant ``tau_s`` (read lazily)."""
+
+    def __init__(self, tau_s: float, clock: Callable[[], float]):
+        self.tau_s = tau_s
+        self._clock = clock
+        self._value: dict[Optional[str], tuple[float, float]] = {}  # adapter -> (decayed count, at)
+
+    def add(self, adapter: Optional[str]) -> None:
+        now = self._clock()
+        value, at = self._value.get(adapter, (0.0, now))
+        self._value[adapter] = (value * math.exp((at - now) / self.tau_s) + 1.0, now)
+
+    def get(self, adapter: Optional[str], default: float = 0.0) -> float:
+        entry = self._value.get(adapter)
+        if entry is None:
+            return default
+        value, at = entry
+        return value * math.exp((at - self._clock()) / self.tau_s) / self.tau_s
+
+    def prune(self, below: float = 1e-3) -> None:
+        """Forget adapters whose rate decayed below ``below`` (bounds memory)."""
+        self._value = {a: e for a, e in self._value.items() if self.get(a) >= below}
+
+    def __len__(self) -> int:
+        return len(self._value)
+
+
+class ByIndex:
+    """``table[ids[i]]`` for index ``i`` without building a list per decision (large fleets)."""
+
+    __slots__ = ("ids", "table", "default")
+
+    def __init__(self, ids: Sequence[str], table: Mapping, default):
+        self.ids, self.table, self.default = ids, table, default
+
+    def __getitem__(self, i: int):
+        return self.table.get(self.ids[i], self.default)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+class LocalRouterState:
+    def __init__(self, clock: Callable[[], float] = time.monotonic, request_time_alpha: float = 0.2,
+                 demand_tau_s: float = 10.0, send_ttl_s: float = 1.0, max_tracked: int = 10_000):
+        self._clock = clock
+        self.alpha = request_time_alpha
+        self.send_ttl_s = send_ttl_s
+        self.max_tracked = max_tracked
+        self.demand = DemandRates(demand_tau_s, clock)
+        self.request_time: dict[str, float] = {}              # replica -> EWMA seconds
+        self.inflight: Counter = Counter()                     # replica -> requests in flight
+        self.active: dict[str, Counter] = {}                   # replica -> adapter -> requests in flight
+        self._requests: dict[str, tuple[str, Optional[str], float]] = {}  # request id -> (replica, adapter, at)
+        self._chosen: dict[str, tuple[str, float]] = {}        # request id -> (replica, expiry)
+        self.pending: Counter = Counter()                      # replica -> chosen, not yet in Serve's cache
+
+    # ------------------------------------------------------------------ events
+
+    def chose(self, request_id: str, replica_id: str) -> None:
+        """A decision was handed to Serve; it counts against the replica until Serve sends it."""
+        previous = self._chosen.pop(request_id, None)
+        if previous is not None:
+            self._release(previous[0])
+        if len(self._chosen) > self.max_tracked:  # requests cancelled before sending never come back
+            self._chosen.clear()
+            self.pending.clear()
+        self._chosen[request_id] = (replica_id, self._clock() + self.send_ttl_s)
+        self.pending[replica_id] += 1
+
+    def sent(self, replica_id: str) -> None:
+        """Serve sent a request to ``replica_id`` (its queue-length cache now counts it)."""
+        for request_id, (rid, _) in self._chosen.items():
+            if rid == replica_id:
+                del self._chosen[request_id]
+                self._release(rid)
+                return
+
+    def routed(self, request_id: str, replica_id: str, adapter: Optional[str]) -> None:
+        """The replica accepted the request."""
+        if len(self._requests) > self.max_tracked:
+            self._requests.clear()
+            self.inflight.clear()
+            self.active.clear()
+        self._requests[request_id] = (replica_id, adapter, self._clock())
+        self.inflight[replica_id] += 1
+        self.active.setdefault(replica_id, Counter())[adapter] += 1
+        self.demand.add(adapter)
+
+    def completed(self, request_id: str) -> Optional[str]:
+        """The request finished (any outcome); returns its replica, or None if it was not tracked."""
+        entry = self._requests.pop(request_id, None)
+        if entry is None:
+            return None
+        replica_id, adapter, at = entry
+        if self.inflight[replica_id] > 0:
+            self.inflight[replica_id] -= 1
+        running = self.active.get(replica_id)
+        if running is not None and running[adapter] > 0:
+            running[adapter] -= 1
+            if not running[adapter]:
+                del running[adapter]
+        seconds = self._clock() - at
+        old = self.request_time.get(replica_id)
+        self.request_time[replica_id] = seconds if old is None else old + self.alpha * (seconds - old)
+        return replica_id
+
+    def forget_replica(self, replica_id: str) -> None:
+        for table in (self.request_time, self.inflight, self.active, self.pending):
+            table.pop(replica_id, None)
+
+    def expire(self) -> None:
+        """Drop decisions Serve never sent (cancelled requests), so their rows come back."""
+        now = self._clock()
+        for request_id, (rid, expiry) in list(self._chosen.items()):
+            if expiry <= now:
+                del self._chosen[request_id]
+                self._release(rid)
+
+    # ------------------------------------------------------------------ policy inputs
+
+    def active_by_index(self, ids: Sequence[str]) -> ByIndex:
+        return ByIndex(ids, self.active, _EMPTY)
+
+    def request_s_by_index(self, ids: Sequence[str]) -> ByIndex:
+        """Measured request time per replica; an unmeasured replica gets the fleet's mean."""
+        times = self.request_time
+        default = sum(times.values()) / len(times) if times else None
+        return ByIndex(ids, times, default)
+
+    def _release(self, replica_id: str) -> None:
+        if self.pending[replica_id] > 1:
+            self.pending[replica_id] -= 1
+        else:
+            self.pending.pop(replica_id, None)
