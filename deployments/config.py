@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from engine.config import EngineConfig
 from pool.shapes import ALL_TARGET_MODULES
+from pool.sources import validate_object_store_prefixes, validate_resolver_roots
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 
@@ -69,6 +70,12 @@ class AppArgs(BaseModel):
     admin_token_env: str = "LORAFLEET_ADMIN_TOKEN"
     adapter_roots: Optional[list[str]] = None
     hub_orgs: Optional[list[str]] = None
+    object_store_prefixes: Optional[list[str]] = None  # allowed s3://bucket[/prefix], gs://bucket[/prefix] (None: any)
+    adapter_cache_dir: Optional[str] = None  # node-local object-store download cache (None: ~/.cache/lorafleet/adapters)
+    adapter_resolvers: Optional[list[str]] = None  # tried for an unregistered name: folder, s3/gs prefix or hub org
+    adapter_resolver_negative_ttl_s: float = Field(default=30.0, ge=0)  # how long a resolver miss is remembered
+    _prefixes = field_validator("object_store_prefixes")(classmethod(lambda cls, v: validate_object_store_prefixes(v)))
+    _resolvers = field_validator("adapter_resolvers")(classmethod(lambda cls, v: validate_resolver_roots(v)))
     max_queued_requests: int = Field(default=256, ge=1)
     request_timeout_s: float = Field(default=120.0, gt=0)
     stream_idle_timeout_s: float = Field(default=60.0, gt=0)  # a stream with no token for this long is closed

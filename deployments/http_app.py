@@ -8,6 +8,7 @@ from .admin_routes import admin_router
 from .body_limit import BodyLimitMiddleware
 from .http_errors import install_error_handlers
 from .openai_routes import openai_router
+from .version_routes import version_router
 
 
 def build_http_app(ingress) -> FastAPI:
@@ -16,4 +17,5 @@ def build_http_app(ingress) -> FastAPI:
     install_error_handlers(app)
     app.include_router(openai_router(ingress))
     app.include_router(admin_router(ingress))
+    app.include_router(version_router(ingress))
     return app

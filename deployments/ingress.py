@@ -19,9 +19,10 @@ from engine.request import GenerateRequest, GenerateResult
 
 from .admission import RequestLimiter
 from .config import AdapterSpec, AppArgs
-from .fleet_admin import FleetAdmin
+from .adapter_gate import build_gate
 from .http_app import build_http_app
 from .registry import RegistryFollower
+from .versions import VersionedFleetAdmin
 
 
 @serve.deployment(name="LoRAFleetIngress", max_ongoing_requests=512, ray_actor_options={"num_cpus": 0})
@@ -32,8 +33,9 @@ class LoRAFleetIngress:
         self.worker = worker.options(stream=False)
         self.worker_stream = worker.options(stream=True)
         self.registry = RegistryFollower(directory)
-        self.admin = FleetAdmin(self.worker, directory, self.registry, self.args.max_loras_per_batch,
-                                self.args.pin_replicas)
+        self.admin = VersionedFleetAdmin(self.worker, directory, self.registry, self.args.max_loras_per_batch,
+                                         self.args.pin_replicas)
+        self.gate = build_gate(self.admin, self.args, serve.get_replica_context().world_size)
         self.limiter = RequestLimiter(self.args.max_queued_requests, self.args.request_timeout_s)
         await self.registry.refresh()
         for spec in self.args.startup_adapters():
@@ -47,12 +49,17 @@ class LoRAFleetIngress:
     # ------------------------------------------------------------------ Python handle API
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
-        await self.admin.check_registered(request.adapter)
-        return await self.limiter.call(lambda: self.worker.generate.remote(request))
+        admission = await self.gate.admit(request.adapter)
+        request.adapter = admission.adapter
+        try:
+            return await self.limiter.call(lambda: self.worker.generate.remote(request))
+        finally:
+            admission.release()
 
     async def generate_stream(self, request: GenerateRequest) -> AsyncIterator:
         """Token deltas, then the final ``GenerateResult``."""
-        await self.admin.check_registered(request.adapter)
+        admission = await self.gate.admit(request.adapter)
+        request.adapter = admission.adapter
         upstream = self.worker_stream.generate_stream.remote(request)
         exhausted = False
         try:
@@ -60,6 +67,7 @@ class LoRAFleetIngress:
                 yield item
             exhausted = True
         finally:
+            admission.release()
             if not exhausted:
                 upstream.cancel()  # the caller cancelled or stopped reading: stop the work upstream
 

@@ -10,6 +10,7 @@ from engine.request import GenerateRequest
 
 from .openai_protocol import ChatCompletionRequest, CompletionRequest, completion_body, new_id, to_generate_request
 from .sse import completion_events
+from .traffic_split import families
 
 
 def openai_router(ingress) -> APIRouter:
@@ -26,31 +27,43 @@ def openai_router(ingress) -> APIRouter:
         if prompt_chars > args.max_prompt_chars:
             raise InvalidRequestError("prompt", f"prompt of {prompt_chars} characters exceeds the limit of "
                                                 f"{args.max_prompt_chars}")
-        await ingress.admin.check_registered(request.adapter)
+        admission = await ingress.gate.admit(request.adapter)  # 404/429 by adapter; picks the version
+        request.adapter = admission.adapter
         rid = new_id("chatcmpl" if chat else "cmpl")
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return await stream(request, body.model, rid, chat, include_usage)
-        result = await ingress.limiter.call(lambda: ingress.worker.generate.remote(request))
+            return await stream(request, body.model, rid, chat, include_usage, admission)
+        try:
+            result = await ingress.limiter.call(lambda: ingress.worker.generate.remote(request))
+        finally:
+            admission.release()
         return JSONResponse(completion_body(result, body.model, rid, chat),
-                            headers={"x-lorafleet-replica": result.replica_id or ""})
+                            headers={"x-lorafleet-replica": result.replica_id or "", **admission.headers()})
 
-    async def stream(request: GenerateRequest, model: str, rid: str, chat: bool, include_usage: bool):
+    async def stream(request: GenerateRequest, model: str, rid: str, chat: bool, include_usage: bool, admission):
         limiter = ingress.limiter
 
         async def first_item(upstream):
             return upstream, await upstream.__anext__()
 
-        limiter.acquire()
+        def close() -> None:
+            limiter.release()
+            admission.release()
+
+        try:
+            limiter.acquire()
+        except BaseException:
+            admission.release()
+            raise
         try:  # errors before the first token become statuses (and a lost replica is retried once)
             upstream, first = await limiter.first_result(
                 lambda: ingress.worker_stream.generate_stream.remote(request), first_item)
         except BaseException:
-            limiter.release()
+            close()
             raise
         events = completion_events(upstream, first, model, rid, chat, include_usage, args.stream_idle_timeout_s,
-                                   limiter.release)
-        return StreamingResponse(events, media_type="text/event-stream")
+                                   close)
+        return StreamingResponse(events, media_type="text/event-stream", headers=admission.headers())
 
     @router.post("/v1/completions")
     async def completions(body: CompletionRequest):
@@ -65,10 +78,10 @@ def openai_router(ingress) -> APIRouter:
         await ingress.registry.refresh()
         data = [{"id": args.base_model, "object": "model", "created": 0, "owned_by": "lorafleet",
                  "root": args.base_model, "parent": None}]
-        for entry in sorted(ingress.registry.entries.values(), key=lambda e: e.name):
-            # sources (paths, buckets) are shown only by the authenticated admin API
-            data.append({"id": entry.name, "object": "model", "created": int(entry.created), "owned_by": "lorafleet",
-                         "root": entry.name, "parent": args.base_model})
+        for name, family in sorted(families(ingress.registry.entries.values()).items()):
+            # one model per requested name (versions are the admin API's business, as are sources)
+            data.append({"id": name, "object": "model", "created": int(family[0].created), "owned_by": "lorafleet",
+                         "root": name, "parent": args.base_model})
         return {"object": "list", "data": data}
 
     @router.get("/health")

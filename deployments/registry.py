@@ -18,6 +18,11 @@ class RegistryEntry:
     replicas: int = 1  # how many replicas pin it (first in its rendezvous order)
     rank: Optional[int] = None
     created: float = field(default_factory=time.time)
+    version: Optional[str] = None         # rollout label ("v2"); None: the name's first registration ("v1")
+    version_of: Optional[str] = None      # the requested name this entry serves a version of (deployments/versions.py)
+    traffic: Optional[int] = None         # percent of the name's requests; None: what the versions leave
+    max_concurrency: Optional[int] = None  # per-name quota, the same on every entry of the name
+    requests_per_s: Optional[float] = None
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -125,6 +125,17 @@ class LoRAWorker:
         record = await asyncio.to_thread(self.engine.validate_adapter_files, uid, path, name=name, revision=revision)
         return {"rank": record.rank, "bytes": record.nbytes, "folder": str(record.folder)}
 
+    async def prewarm_adapter(self, target: ReplicaTarget, name: str, into_slot: bool = False) -> dict:
+        """Bring a registered adapter into this replica's host tier (and a slot) before traffic reaches it."""
+        if target.target_replica != self.replica_id:
+            raise RuntimeError(f"prewarm for {target.target_replica} reached replica {self.replica_id}")
+        await self._ensure_adapter(name)
+        if into_slot:  # a one-token request loads it the way traffic would
+            await self.engine.generate(GenerateRequest(adapter=name, prompt="warm", max_tokens=1))
+        uid = self.engine.current_uid(name)
+        return {"replica": self.replica_id, "resident": self.engine.is_resident(uid),
+                "host_cached": self.engine.host_cached(uid)}
+
     def pool_state(self, target: Optional[ReplicaTarget] = None) -> dict:
         """This replica's pool, exactly; call it with a ``ReplicaTarget`` to ask one replica."""
         if target is not None and target.target_replica != self.replica_id:

@@ -27,5 +27,7 @@ class EngineConfig:
     max_tokens_limit: int
     adapter_roots: Optional[list[str]]       # allow-list of local folders (None: any)
     hub_orgs: Optional[list[str]]            # allow-list of hub organisations (None: any)
+    object_store_prefixes: Optional[list[str]]  # allow-list of s3:// and gs:// prefixes (None: any)
+    adapter_cache_dir: Optional[str]         # node-local object-store download cache (None: the default)
     max_bypass_steps: int
     replica_id: str

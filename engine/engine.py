@@ -55,7 +55,9 @@ class LoRAEngine:
         self.max_model_len = config.max_model_len or min(getattr(mc, "max_position_embeddings", 2048), 2048)
         self.store = AdapterStore(self.shape, config.max_lora_rank, dtype=self.dtype,
                                   host_cache_bytes=config.host_cache_bytes,
-                                  allowed_roots=config.adapter_roots, hub_orgs=config.hub_orgs)
+                                  allowed_roots=config.adapter_roots, hub_orgs=config.hub_orgs,
+                                  object_store_prefixes=config.object_store_prefixes,
+                                  adapter_cache_dir=config.adapter_cache_dir)
         self.pool = LoRAMemoryPool(self.shape, config.max_loras_per_batch, config.max_lora_rank, self.store.fetch,
                                    eviction_policy=config.eviction_policy, device=self.device, dtype=self.dtype,
                                    replica_id=config.replica_id)

@@ -17,7 +17,7 @@ import pytest
 from pool.errors import SourceUnavailableError
 from pool.sources import NodeDownloadCache
 
-from s3_server import LocalS3Server, s3_client, upload_folder
+from benchmarks.local_s3 import LocalS3Server, s3_client, upload_folder
 
 REPO = Path(__file__).parents[1]
 

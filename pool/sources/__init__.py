@@ -16,6 +16,7 @@ from .node_cache import CacheFetch, NodeDownloadCache
 from .object_store import FETCHED_FILES, content_version, resolve_object_source
 from .policy import SourcePolicy, default_cache_dir, validate_object_store_prefixes
 from .resolved import ResolvedSource
+from .resolver_roots import candidate_source, resolver_root_kind, validate_resolver_roots
 from .urls import ObjectURL, parse_object_url, url_scheme
 
 
@@ -39,6 +40,6 @@ def resolve_adapter_source(source: str, revision: Optional[str] = None,
 
 __all__ = [
     "CacheFetch", "FETCHED_FILES", "HUB_ALLOW_PATTERNS", "NodeDownloadCache", "ObjectURL", "ResolvedSource",
-    "SourcePolicy", "content_version", "default_cache_dir", "parse_object_url", "resolve_adapter_source",
-    "validate_object_store_prefixes",
+    "SourcePolicy", "candidate_source", "content_version", "default_cache_dir", "parse_object_url",
+    "resolve_adapter_source", "resolver_root_kind", "validate_object_store_prefixes", "validate_resolver_roots",
 ]

@@ -1,4 +1,6 @@
-"""A real S3 server on this machine for tests: moto's S3 app served over HTTP on 127.0.0.1.
+"""A real S3 server on this machine for tests and benchmarks: moto's S3 app over HTTP on 127.0.0.1.
+
+moto comes with the ``test`` extra.
 
 The server binds port 0 and reports the port the OS gave it, so parallel runs never race
 for a port. It counts object GETs by key so tests can tell how often each file was
