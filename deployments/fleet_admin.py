@@ -13,7 +13,7 @@ from typing import Optional
 from engine.errors import AdapterExistsError
 from pool.errors import AdapterNotFoundError, PinRefusedError
 from routing.identity import mint_uid
-from routing.pins import overfull_pin_replica
+from routing.pins import overfull_pin_replica, pin_holders
 
 from .config import AdapterSpec
 from .registry import RegistryEntry, RegistryFollower
@@ -66,7 +66,7 @@ class FleetAdmin:
         current = self.registry.entries.get(spec.name)
         if current is not None:
             if (current.source, current.revision) == (spec.source, spec.revision):
-                return current.to_dict()
+                return await self._update_pin_policy(current, spec)
             raise AdapterExistsError(f"adapter {spec.name!r} is already registered from {current.source!r}; "
                                      f"unregister it first")
         replicas = spec.replicas or self.pin_replicas
@@ -81,6 +81,17 @@ class FleetAdmin:
         if stored["uid"] != uid:
             raise AdapterExistsError(f"adapter {spec.name!r} was registered concurrently from {stored['source']!r}")
         return stored
+
+    async def _update_pin_policy(self, current: RegistryEntry, spec: AdapterSpec) -> dict:
+        """Re-registering the same source is idempotent, and updates ``pinned``/``replicas`` when they differ."""
+        replicas = spec.replicas or current.replicas
+        if (spec.pinned, replicas) == (current.pinned, current.replicas):
+            return current.to_dict()
+        if spec.pinned:
+            self.check_pin_capacity(spec.name, replicas)
+        result = await self.directory.set_pinned.remote(spec.name, spec.pinned, replicas)
+        await self.registry.refresh()
+        return result
 
     async def unregister(self, name: str) -> dict:
         removed = await self.directory.remove_adapter.remote(name)
@@ -121,8 +132,10 @@ class FleetAdmin:
             resident = sorted(r for r, s in replicas.items() if entry.uid in s["resident"])
             pinned_on = sorted(r for r, s in replicas.items() if entry.uid in s["pinned"])
             c = counts.get(entry.uid, {})
+            desired = pin_holders(entry.name, sorted(replicas), entry.replicas) if entry.pinned else []
             data.append({**entry.to_dict(), "object": "adapter", "resident_on": resident, "pinned_on": pinned_on,
-                         "loads": c.get("load", 0), "evictions": c.get("evict", 0)})
+                         "pinned_desired": sorted(desired), "loads": c.get("load", 0),
+                         "evictions": c.get("evict", 0)})
         data.sort(key=lambda d: d["name"])
         summary = {r: {k: s[k] for k in ("slots", "free_slots", "resident", "pinned", "queue_len", "seq")}
                    for r, s in replicas.items()}

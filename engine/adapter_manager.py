@@ -65,6 +65,17 @@ class AdapterManager:
         self.retire(uid, timeout_s)
         return uid
 
+    def unregister_uid(self, uid: str, timeout_s: float) -> bool:
+        """Retire one registration by its uid: a name re-registered meanwhile keeps its new uid.
+
+        False when this engine does not hold ``uid`` (never loaded here, or retired already).
+        """
+        if not self.registry.knows(uid):
+            return False
+        self.registry.unbind_uid(uid)
+        self.retire(uid, timeout_s)
+        return True
+
     def retire(self, uid: str, timeout_s: float) -> None:
         """Drain ``uid`` (cancelling what is left after ``timeout_s``), then drop it from pool and store."""
         self.registry.drain(uid, timeout_s, self._cancel)

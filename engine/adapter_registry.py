@@ -67,6 +67,19 @@ class AdapterRegistry:
             self._records[record.uid] = record
         return old if old != record.uid else None
 
+    def unbind_uid(self, uid: str) -> bool:
+        """Stop routing new requests to ``uid`` if its name still points at it; False if it does not."""
+        with self._cond:
+            record = self._records.get(uid)
+            if record is None or self._uids.get(record.name) != uid:
+                return False
+            del self._uids[record.name]
+        return True
+
+    def knows(self, uid: str) -> bool:
+        with self._cond:
+            return uid in self._records
+
     def unbind(self, name: str) -> str:
         """Stop routing new requests to ``name`` at once; returns the uid it served."""
         with self._cond:
