@@ -64,6 +64,7 @@ class AppArgs(BaseModel):
     max_batch_size: int = Field(default=8, ge=1)
     max_model_len: Optional[int] = Field(default=None, ge=16)
     max_tokens_limit: int = Field(default=512, ge=1)
+    max_waiting_requests: int = Field(default=64, ge=1)  # per replica engine queue, beyond its running batch
     max_bypass_steps: int = Field(default=16, ge=0)  # steps a blocked queue head may be bypassed (no starvation)
     load_bound_epsilon: float = Field(default=0.25, ge=0.0)
     pin_replicas: int = Field(default=1, ge=1)

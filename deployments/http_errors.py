@@ -17,7 +17,15 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from ray.exceptions import RayActorError
 
-from engine.errors import AdapterExistsError, AdapterUnregisteredError, EngineShutdownError, InvalidRequestError
+from engine.errors import (
+    AdapterExistsError,
+    AdapterUnregisteredError,
+    EngineOverloadedError,
+    EngineShutdownError,
+    EngineUnhealthyError,
+    InvalidRequestError,
+    RequestCancelledError,
+)
 from pool.errors import (
     AdapterError,
     AdapterNotFoundError,
@@ -64,6 +72,9 @@ ERROR_FAMILIES: dict[type[BaseException], ErrorFamily] = {
     PoolError: ErrorFamily(409),
     AdapterUnregisteredError: ErrorFamily(410),
     EngineShutdownError: ErrorFamily(503, retry_after=1),
+    EngineOverloadedError: ErrorFamily(503, "overloaded", retry_after=1),
+    EngineUnhealthyError: ErrorFamily(503, "replica_unhealthy", retry_after=1),
+    RequestCancelledError: ErrorFamily(499, "cancelled"),
     RayActorError: ErrorFamily(503, "replica_unavailable", retry_after=1,
                                message="the replica serving this request was lost; retry the request"),
     LoRAFleetError: ErrorFamily(500),

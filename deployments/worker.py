@@ -22,16 +22,20 @@ from ray.serve.config import RequestRouterConfig
 from engine.engine import LoRAEngine
 from engine.request import GenerateRequest, GenerateResult, ReplicaTarget, TokenDelta
 from pool.errors import AdapterNotFoundError, LoRAFleetError
+from routing.load_timings import LoadTimings
 from routing.pins import pin_holders
+from routing.ray_router import check_router_kwargs
 
 from .config import AppArgs, resolve_demo_source
 from .event_buffer import EventBuffer
+from .engine_metrics import EngineMetrics
 from .metrics import PoolMetrics
 from .registry import RegistryEntry, RegistryFollower
 
 log = logging.getLogger("ray.serve")
 FLUSH_INTERVAL_S = 0.02
 HEARTBEAT_INTERVAL_S = 1.0
+PIN_RETRY_INTERVAL_S = 1.0
 REGISTRY_POLL_TIMEOUT_S = 5.0
 
 
@@ -41,6 +45,14 @@ def _torch_threads() -> int:
 
     cpus = ray.get_runtime_context().get_assigned_resources().get("CPU")
     return max(1, int(cpus)) if cpus else (os.cpu_count() or 1)
+
+
+def _check_own_router_kwargs(context) -> None:
+    """Fail the deploy when serve_config.yaml gives the router a kwarg it does not take (a misspelling)."""
+    router_config = getattr(getattr(context, "_deployment_config", None), "request_router_config", None)
+    kwargs = getattr(router_config, "request_router_kwargs", None)
+    if isinstance(kwargs, dict) and router_config.request_router_class.endswith(":AdapterAffinityRouter"):
+        check_router_kwargs(kwargs)
 
 
 @serve.deployment(
@@ -55,22 +67,27 @@ def _torch_threads() -> int:
 class LoRAWorker:
     async def __init__(self, args: dict, directory=None):
         self.args = AppArgs(**args)
-        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        context = serve.get_replica_context()
+        self.replica_id = context.replica_id.unique_id
+        _check_own_router_kwargs(context)
         if not torch.cuda.is_available():
             torch.set_num_threads(_torch_threads())
         self.engine = await asyncio.to_thread(LoRAEngine, self.args.engine_config(self.replica_id))
         self.events = EventBuffer()
         self.metrics = PoolMetrics()
+        self.engine_metrics = EngineMetrics()
         self.engine.subscribe_pool_events(self.events.append)
         self.directory = directory
         self.registry = RegistryFollower(directory, self._registry_changed, REGISTRY_POLL_TIMEOUT_S)
         self.loading: set[str] = set()
+        self.load_timings = LoadTimings()
         self._load_locks: dict[str, asyncio.Lock] = {}
         self._retiring: set[str] = set()
         self._tasks: list[asyncio.Task] = []
         if directory is not None:
             loop = asyncio.get_running_loop()
-            self._tasks = [loop.create_task(self._report_loop()), loop.create_task(self.registry.run())]
+            self._tasks = [loop.create_task(self._report_loop()), loop.create_task(self.registry.run()),
+                           loop.create_task(self._pin_loop())]
 
     # ------------------------------------------------------------------ requests
 
@@ -106,14 +123,16 @@ class LoRAWorker:
         if not self.engine.is_resident(uid) and not self.engine.host_cached(uid):
             # evicted from the host tier too: re-read it here, off the engine thread, so the step
             # that loads it into a slot does a memory copy instead of a file read
-            await asyncio.to_thread(self.engine.fetch_to_host, uid)
+            with self.load_timings.disk_read():
+                await asyncio.to_thread(self.engine.fetch_to_host, uid)
 
     async def _load(self, entry: RegistryEntry, pinned: bool = False) -> None:
         self.loading.add(entry.uid)
         try:
             source = await asyncio.to_thread(resolve_demo_source, entry.source)
-            await asyncio.to_thread(self.engine.register_adapter, entry.name, source, revision=entry.revision,
-                                    uid=entry.uid, pinned=pinned)
+            with self.load_timings.disk_read():
+                await asyncio.to_thread(self.engine.register_adapter, entry.name, source, revision=entry.revision,
+                                        uid=entry.uid, pinned=pinned)
         finally:
             self.loading.discard(entry.uid)
 
@@ -142,6 +161,7 @@ class LoRAWorker:
             raise RuntimeError(f"pool_state for {target.target_replica} reached replica {self.replica_id}")
         snap = self.engine.pool_snapshot().to_dict()
         snap["host_cached"] = self.engine.host_cached_uids()
+        snap["engine"] = {k: v for k, v in self.engine.stats().items() if k not in ("adapters", "host_cached")}
         return snap
 
     # ------------------------------------------------------------------ Serve hooks
@@ -149,15 +169,17 @@ class LoRAWorker:
     def record_routing_stats(self) -> dict:
         """What routers reconcile their view with every ``request_routing_stats_period_s``."""
         snap = self.engine.pool_snapshot()
+        self.load_timings.observe_pool(snap.counters.loads, snap.counters.load_seconds)
         return {
             "seq": snap.seq, "slots": snap.slots, "resident": dict(snap.resident), "pinned": sorted(snap.pinned),
             "free_slots": snap.free_slots, "host_cached": self.engine.host_cached_uids(),
             "loading": sorted(self.loading), "queue_len": self.engine.queue_len(),
+            "load_s": self.load_timings.report(),  # measured host-copy / disk-read seconds (routers price loads)
         }
 
     def check_health(self) -> None:
         if not self.engine.healthy():
-            raise RuntimeError("the engine thread died")
+            raise RuntimeError("the engine is unhealthy: its thread died or its steps keep failing")
         for task in self._tasks:
             if task.done() and task.exception() is not None:
                 raise RuntimeError(f"background task failed: {task.exception()!r}")
@@ -175,8 +197,10 @@ class LoRAWorker:
     # ------------------------------------------------------------------ background
 
     def _heartbeat(self) -> dict:
+        counters = self.engine.pool_snapshot().counters
+        self.load_timings.observe_pool(counters.loads, counters.load_seconds)
         return {"queue_len": self.engine.queue_len(), "host_cached": self.engine.host_cached_uids(),
-                "loading": sorted(self.loading)}
+                "loading": sorted(self.loading), "load_s": self.load_timings.report()}
 
     async def _report_loop(self) -> None:
         """Events every FLUSH_INTERVAL_S when there are any; heartbeat and metrics once a second.
@@ -194,6 +218,7 @@ class LoRAWorker:
             if heartbeat_due:
                 last_heartbeat = now
                 self.metrics.update(*self.engine.pool_metrics_sources())
+                self.engine_metrics.update(self.engine.stats())
             events, resync = self.events.drain()
             snapshot = self.engine.pool_snapshot().to_dict() if resync else None
             try:
@@ -206,21 +231,32 @@ class LoRAWorker:
                 await asyncio.sleep(0.5)
 
     async def _registry_changed(self, old: dict[str, RegistryEntry], new: dict[str, RegistryEntry]) -> None:
-        """Retire adapters unregistered (or re-registered under a new uid); re-apply pins."""
+        """Retire registrations removed or replaced (by uid, so a newer uid of the name is safe); re-apply pins."""
         for name, entry in old.items():
-            if (name not in new or new[name].uid != entry.uid) and self.engine.current_uid(name) is not None \
-                    and name not in self._retiring:
-                self._retiring.add(name)
-                asyncio.get_running_loop().create_task(self._retire(name))
+            if (name not in new or new[name].uid != entry.uid) and entry.uid not in self._retiring:
+                self._retiring.add(entry.uid)
+                asyncio.get_running_loop().create_task(self._retire(entry.uid))
         await self._apply_pins()
 
-    async def _retire(self, name: str) -> None:
+    async def _retire(self, uid: str) -> None:
         try:
-            await asyncio.to_thread(self.engine.unregister_adapter, name, self.args.drain_timeout_s)
-        except AdapterNotFoundError:
-            pass
+            await asyncio.to_thread(self.engine.unregister_uid, uid, self.args.drain_timeout_s)
         finally:
-            self._retiring.discard(name)
+            self._retiring.discard(uid)
+
+    async def _pin_loop(self) -> None:
+        """Pins are desired state: one that could not be applied (busy slots, a replica just added or
+        removed) is tried again every PIN_RETRY_INTERVAL_S until it holds."""
+        while True:
+            await asyncio.sleep(PIN_RETRY_INTERVAL_S)
+            if self._pins_differ():
+                await self._apply_pins()
+
+    def _pins_differ(self) -> bool:
+        replicas = sorted(set(self.registry.replicas) | {self.replica_id})
+        pinned = self.engine.pinned_uids()
+        return any((entry.pinned and self.replica_id in pin_holders(name, replicas, entry.replicas))
+                   != (entry.uid in pinned) for name, entry in self.registry.entries.items())
 
     async def _apply_pins(self) -> None:
         """Pin each pinned adapter on its ``pin_holders`` (the rule ingress and view share); unpin elsewhere."""

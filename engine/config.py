@@ -30,4 +30,5 @@ class EngineConfig:
     object_store_prefixes: Optional[list[str]]  # allow-list of s3:// and gs:// prefixes (None: any)
     adapter_cache_dir: Optional[str]         # node-local object-store download cache (None: the default)
     max_bypass_steps: int
+    max_waiting_requests: int                # a full waiting queue refuses new requests (503), never grows
     replica_id: str
