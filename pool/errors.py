@@ -92,6 +92,15 @@ class PinRefusedError(PoolError):
     """Pinning would leave no slot for unpinned adapters (starvation guard)."""
 
 
+class AdapterNotStagedError(PoolError):
+    """A slot load found the adapter in neither the pool nor the host tier; it must be read first,
+    off the step that asked (a file read never runs on the engine thread or under the pool's lock)."""
+
+    def __init__(self, uid: str):
+        super().__init__(f"adapter {uid!r} is not in the host tier yet")
+        self.uid = uid
+
+
 class AdapterInUseError(PoolError):
     """An in-flight batch uses the adapter; it cannot be unloaded now."""
 

@@ -157,8 +157,10 @@ class LoRAMemoryPool:
         Raises (changing nothing) ``BatchTooLargeError`` if the batch cannot fit beside the
         pinned adapters, and any adapter error from fetching weights.
         """
+        order = batch_order(cur_uids)
+        # weights are fetched before the lock is taken, so a slow fetch never blocks snapshot()/pin()
+        prefetched = {u: self._timed_weights(u) for u in order if u is not None and u not in self.uid_to_slot}
         with self._lock:
-            order = batch_order(cur_uids)
             cur = set(order)
             if not self.validate_lora_batch(cur):
                 raise BatchTooLargeError(
@@ -166,11 +168,7 @@ class LoRAMemoryPool:
                     f"but the pool has {self.slots} slots with {len(self.pinned)} pinned"
                 )
             missing = [u for u in order if u not in self.uid_to_slot]
-            fetched = {}
-            for uid in missing:
-                if uid is not None:
-                    started = time.perf_counter()
-                    fetched[uid] = (self._checked_weights(uid), time.perf_counter() - started)
+            fetched = {u: prefetched.get(u) or self._timed_weights(u) for u in missing if u is not None}
             entering = [u for u in order if u is not None and u not in self.active]
             for uid in order:
                 if uid not in missing:
@@ -270,6 +268,11 @@ class LoRAMemoryPool:
             return True
 
     # ------------------------------------------------------------------ internals
+
+    def _timed_weights(self, uid: str) -> tuple[LoRAAdapterWeights, float]:
+        started = time.perf_counter()
+        weights = self._checked_weights(uid)
+        return weights, time.perf_counter() - started
 
     def _checked_weights(self, uid: str) -> LoRAAdapterWeights:
         weights = self._fetch_weights(uid)

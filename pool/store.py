@@ -2,8 +2,9 @@
 
 Registration resolves the source (local folder, hub repo, or object-store prefix through
 the node-local download cache), reads and validates the whole adapter, and puts it in
-the host tier, so every refusal happens before the pool is touched. ``fetch`` is what the pool calls when a slot needs weights: a host-tier hit is
-a memory copy; a miss re-reads the folder.
+the host tier, so every refusal happens before the pool is touched. The pool's slot loads
+use ``fetch_staged`` (host tier only, a memory copy); ``fetch`` re-reads an adapter the host
+tier dropped, on a thread that may block.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Optional, Sequence
 import torch
 
 from .adapter import LoRAAdapterWeights, load_adapter_folder
-from .errors import AdapterNotFoundError
+from .errors import AdapterNotFoundError, AdapterNotStagedError
 from .host_cache import HostAdapterCache
 from .shapes import LoRAModelShape
 from .sources import SourcePolicy, resolve_adapter_source
@@ -91,8 +92,19 @@ class AdapterStore:
         with self._lock:
             return list(self._records)
 
+    def fetch_staged(self, uid: str) -> LoRAAdapterWeights:
+        """Weights for a slot load, from the host tier only (a memory copy, never a file read)."""
+        cached = self.host_cache.get(uid)
+        if cached is None:
+            self.record(uid)  # an unknown uid is AdapterNotFoundError, not "not staged"
+            raise AdapterNotStagedError(uid)
+        return cached
+
+    def is_staged(self, uid: str) -> bool:
+        return uid in self.host_cache
+
     def fetch(self, uid: str) -> LoRAAdapterWeights:
-        """Weights for a slot load: from the host tier, else re-read from the folder."""
+        """Weights from the host tier, else re-read from the folder (and kept in the host tier)."""
         cached = self.host_cache.get(uid)
         if cached is not None:
             return cached

@@ -139,3 +139,35 @@ def test_repeated_step_failures_make_the_engine_unhealthy(demo_assets):
             engine.generate_blocking(GenerateRequest(prompt="after", max_tokens=4))
     finally:
         engine.shutdown()
+
+
+def test_without_a_host_tier_slot_loads_still_never_read_files_on_the_engine_thread(demo_assets):
+    """host_cache_bytes=0: every adapter re-read is handed over from the submitting thread."""
+    engine = make_engine(demo_assets, host_cache_bytes=0, max_loras_per_batch=2)
+    try:
+        for name in ("demo-3", "demo-4"):
+            engine.register_adapter(name, str(demo_assets.adapters[name]))
+        engine_thread = engine._thread
+        reads_on_engine_thread = []
+        original_fetch = engine.store.fetch
+
+        def recording_fetch(uid):
+            import threading
+
+            if threading.current_thread() is engine_thread:
+                reads_on_engine_thread.append(uid)
+            return original_fetch(uid)
+
+        engine.store.fetch = recording_fetch
+        names = ["demo-1", "demo-2", "demo-3", "demo-4"] * 3  # more adapters than the 2 slots: reloads
+
+        async def scenario():
+            return await asyncio.gather(*[engine.generate(GenerateRequest(adapter=n, prompt=f"p {i}", max_tokens=5))
+                                          for i, n in enumerate(names)])
+
+        results = asyncio.run(scenario())
+        assert [r.completion_tokens for r in results] == [5] * len(names)
+        assert engine.pool_snapshot().counters.loads >= 4
+        assert reads_on_engine_thread == []
+    finally:
+        engine.shutdown()
