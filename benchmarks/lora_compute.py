@@ -49,7 +49,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from engine.demo import write_demo_adapter
-from engine.kv_cache import KVCache
+from engine.kv_cache import PagedKVCache
 from engine.lora_layers import LoRABatchContext, attach_lora
 from engine.model_runner import ModelRunner, SeqInput
 from pool.device import default_device, parse_dtype
@@ -114,24 +114,24 @@ class Ours:
         attach_lora(model, self.pool, self.context)
         attn = model.model.layers[0].self_attn
         kv_heads = attn.k_proj.weight.shape[0] // attn.head_dim
-        self.cache = KVCache(len(model.model.layers), DECODE_BATCH + PREFILL_BATCH,
-                             max(DECODE_CONTEXT + 1, PREFILL_LEN), kv_heads, attn.head_dim, device=device, dtype=dtype)
+        self.cache = PagedKVCache(len(model.model.layers), DECODE_BATCH + PREFILL_BATCH,
+                                  max(DECODE_CONTEXT + 1, PREFILL_LEN), kv_heads, attn.head_dim, device=device, dtype=dtype)
         self.runner = ModelRunner(model, self.pool, self.cache, self.context)
 
     def slot(self, adapter: Optional[int]) -> int:
         return self.slots[None if adapter is None else self.uids[adapter]]
 
     def context_fill(self, context_ids: torch.Tensor, adapters: Sequence[Optional[int]]) -> torch.Tensor:
-        seqs = [SeqInput(block_table=i, token_ids=context_ids[i].tolist(), start_pos=0, slot=self.slot(a))
+        seqs = [SeqInput(block_table=[i], token_ids=context_ids[i].tolist(), start_pos=0, slot=self.slot(a))
                 for i, a in enumerate(adapters)]
         return self.runner.forward(seqs)
 
     def decode_seqs(self, tokens: torch.Tensor, adapters: Sequence[Optional[int]]) -> list[SeqInput]:
-        return [SeqInput(block_table=i, token_ids=[int(tokens[i])], start_pos=DECODE_CONTEXT, slot=self.slot(a))
+        return [SeqInput(block_table=[i], token_ids=[int(tokens[i])], start_pos=DECODE_CONTEXT, slot=self.slot(a))
                 for i, a in enumerate(adapters)]
 
     def prefill_seqs(self, prompt_ids: torch.Tensor, adapters: Sequence[Optional[int]]) -> list[SeqInput]:
-        return [SeqInput(block_table=DECODE_BATCH + i, token_ids=prompt_ids[i].tolist(), start_pos=0, slot=self.slot(a))
+        return [SeqInput(block_table=[DECODE_BATCH + i], token_ids=prompt_ids[i].tolist(), start_pos=0, slot=self.slot(a))
                 for i, a in enumerate(adapters)]
 
 

@@ -81,6 +81,10 @@ class BlockAllocator:
                 else:
                     self._free.append(block)
 
+    def peek(self, digest: bytes) -> Optional[int]:
+        """The cached block with this digest, taking nothing."""
+        return self._block_of.get(digest) if self.prefix_caching else None
+
     def lookup(self, digest: bytes) -> Optional[int]:
         """Take a reference to the cached block with this digest, if there is one."""
         if not self.prefix_caching:

@@ -14,7 +14,7 @@ import logging
 import threading
 from typing import AsyncIterator, Callable, Optional
 
-from pool.errors import LoRAFleetError, PoolError
+from pool.errors import AdapterNotStagedError, LoRAFleetError, PoolError
 from pool.events import PoolSnapshot
 from pool.host_cache import HostAdapterCache
 from pool.memory_pool import EventListener, LoRAMemoryPool
@@ -26,9 +26,10 @@ from .adapter_manager import AdapterManager
 from .adapter_registry import AdapterRegistry
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
-from .errors import EngineShutdownError
+from .errors import EngineOverloadedError, EngineShutdownError, EngineUnhealthyError, RequestCancelledError
 from .input_processor import InputProcessor
-from .kv_cache import KVCache
+from .block_manager import BlockManager
+from .kv_cache import PagedKVCache, kv_budget_bytes, kv_bytes_per_token
 from .live_settings import apply_live_settings
 from .lora_layers import LoRABatchContext, attach_lora
 from .model_loader import load_base_model
@@ -39,6 +40,8 @@ from .scheduler import Scheduler
 from .sequence import Sequence, SinkItem
 
 log = logging.getLogger(__name__)
+MAX_FAILED_STEPS = 3
+STAGING_POLL_S = 0.01
 
 
 class LoRAEngine:
@@ -52,28 +55,31 @@ class LoRAEngine:
         self.dtype = next(model.parameters()).dtype
         mc = model.config
         self.shape = LoRAModelShape.from_hf_config(mc, config.target_modules)
-        self.max_model_len = config.max_model_len or min(getattr(mc, "max_position_embeddings", 2048), 2048)
+        max_model_len = config.max_model_len or min(getattr(mc, "max_position_embeddings", 2048), 2048)
         self.store = AdapterStore(self.shape, config.max_lora_rank, dtype=self.dtype,
                                   host_cache_bytes=config.host_cache_bytes,
                                   allowed_roots=config.adapter_roots, hub_orgs=config.hub_orgs,
                                   object_store_prefixes=config.object_store_prefixes,
                                   adapter_cache_dir=config.adapter_cache_dir)
-        self.pool = LoRAMemoryPool(self.shape, config.max_loras_per_batch, config.max_lora_rank, self.store.fetch,
+        self.pool = LoRAMemoryPool(self.shape, config.max_loras_per_batch, config.max_lora_rank, self._slot_weights,
                                    eviction_policy=config.eviction_policy, device=self.device, dtype=self.dtype,
                                    replica_id=config.replica_id)
         self.context = LoRABatchContext()
         attach_lora(model, self.pool, self.context)
-        attn = model.model.layers[0].self_attn
-        self.cache = KVCache(len(model.model.layers), config.max_batch_size, self.max_model_len,
-                             attn.k_proj.weight.shape[0] // attn.head_dim, attn.head_dim,
-                             device=self.device, dtype=self.dtype)
+        self.cache = self._make_kv_cache(model, max_model_len)
+        self.max_model_len = self._fit_max_model_len(max_model_len)
         self.runner = ModelRunner(model, self.pool, self.cache, self.context)
+        self.blocks = BlockManager(self.cache)
         self.scheduler: Scheduler[Sequence] = Scheduler(
             self.pool.validate_lora_batch, lambda uid: uid in self.pool.pinned,
-            config.max_batch_size, config.max_bypass_steps)
+            config.max_batch_size, config.max_bypass_steps, blocks=self.blocks)
         self.eos_ids = eos_token_ids(tokenizer, model)
         self.tokens_generated = 0
         self.steps = 0
+        self._staging: set[str] = set()  # uids being read back into the host tier off the engine thread
+        self._handover: dict[str, object] = {}  # uid -> weights read for a slot the host tier cannot keep
+        self.cancelled = 0            # sequences dropped because their caller went away
+        self.failed_steps_in_row = 0  # consecutive failed steps; MAX_FAILED_STEPS makes the replica unhealthy
         self._lock = threading.Condition()  # scheduler queues, stop flag
         self._step_lock = threading.Lock()  # one step, or one unload, at a time
         self.registry = AdapterRegistry()
@@ -83,6 +89,32 @@ class LoRAEngine:
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name=f"lorafleet-engine-{config.replica_id}", daemon=True)
         self._thread.start()
+
+    def _make_kv_cache(self, model, max_model_len: int) -> PagedKVCache:
+        """The paged KV cache sized by ``kv_cache_bytes`` (see ``kv_budget_bytes`` for the default)."""
+        attn = model.model.layers[0].self_attn
+        layers, head_dim = len(model.model.layers), attn.head_dim
+        kv_heads = attn.k_proj.weight.shape[0] // head_dim
+        budget = kv_budget_bytes(getattr(self.config, "kv_cache_bytes", None), device=self.device,
+                                 bytes_per_token=kv_bytes_per_token(layers, kv_heads, head_dim, self.dtype),
+                                 max_batch_size=self.config.max_batch_size, max_model_len=max_model_len,
+                                 memory_fraction=getattr(self.config, "kv_cache_memory_fraction", 0.8))
+        return PagedKVCache.from_budget(budget, layers, getattr(self.config, "kv_block_size", 16), kv_heads, head_dim,
+                                        device=self.device, dtype=self.dtype,
+                                        prefix_caching=getattr(self.config, "enable_prefix_caching", True))
+
+    def _fit_max_model_len(self, max_model_len: int) -> int:
+        """A request must fit the cache alone (so the oldest request can always run): clamp the
+        default context window to the cache, refuse a configured one it cannot hold."""
+        capacity = self.cache.capacity_tokens
+        if max_model_len <= capacity:
+            return max_model_len
+        if self.config.max_model_len is not None:
+            raise ValueError(f"max_model_len={max_model_len} does not fit the KV cache ({self.cache.num_blocks} "
+                             f"blocks of {self.cache.block_size} tokens = {capacity} tokens): raise kv_cache_bytes "
+                             f"or lower max_model_len")
+        log.warning("context window clamped to the KV cache's %d tokens (the model allows %d)", capacity, max_model_len)
+        return capacity
 
     # ------------------------------------------------------------------ adapters
 
@@ -94,6 +126,10 @@ class LoRAEngine:
     def unregister_adapter(self, name: str, timeout_s: float = 30.0) -> str:
         """Refuse new requests for ``name`` at once, drain its requests, then unload it. Returns the uid."""
         return self.adapter_manager.unregister(name, timeout_s)
+
+    def unregister_uid(self, uid: str, timeout_s: float = 30.0) -> bool:
+        """Retire the registration ``uid`` (drain, then unload); a newer uid of the same name is untouched."""
+        return self.adapter_manager.unregister_uid(uid, timeout_s)
 
     def pin_adapter(self, name: str) -> int:
         return self.adapter_manager.pin(name)
@@ -124,23 +160,45 @@ class LoRAEngine:
 
     def submit(self, request: GenerateRequest, sink: Callable[[SinkItem], None]) -> Sequence:
         uid, ids = self.inputs.process(request)
+        if uid is not None and not self.pool.is_resident(uid):
+            self._stage(uid)  # a file read, if the host tier dropped it: here, never on the engine thread
         seq = Sequence(request, uid, ids, IncrementalDetokenizer(self.tokenizer, request.stop_strings), sink,
                        self.device)
         with self._lock:
             if self._stopped:
                 raise EngineShutdownError("the engine is shutting down")
+            if not self.healthy():
+                raise EngineUnhealthyError(f"{self.failed_steps_in_row} engine steps failed in a row on this replica")
+            if len(self.scheduler.waiting) >= self.config.max_waiting_requests:
+                raise EngineOverloadedError(f"{len(self.scheduler.waiting)} requests are waiting on this replica "
+                                            f"(limit {self.config.max_waiting_requests}); retry later")
             self.registry.acquire(request.adapter, uid)
             self.scheduler.add(seq)
             self._lock.notify_all()
         return seq
 
+    def cancel(self, seq: Sequence) -> None:
+        """Drop ``seq``: a waiting one never runs; a running one frees its KV blocks and slot at the next step."""
+        error = RequestCancelledError(f"request {seq.request.request_id} was cancelled by its caller")
+        with self._lock:
+            if seq.cancel_reason is not None:
+                return
+            if self.scheduler.drop_waiting(lambda s: s is seq):
+                self._end(seq, error)
+            elif seq in self.scheduler.running:
+                seq.cancel_reason = error
+            else:
+                return  # already finished
+            self.cancelled += 1
+            self._lock.notify_all()
+
     def generate_stream(self, request: GenerateRequest,
                         with_result: bool = False) -> AsyncIterator[TokenDelta | GenerateResult]:
         """Token deltas as they are produced (the last carries the finish reason), then the result if asked."""
-        return callers.stream(self.submit, request, with_result)
+        return callers.stream(self.submit, self.cancel, request, with_result)
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
-        return await callers.result(self.submit, request)
+        return await callers.result(self.submit, self.cancel, request)
 
     def generate_blocking(self, request: GenerateRequest, timeout_s: float = 120.0) -> GenerateResult:
         """For scripts and benchmarks without an event loop."""
@@ -180,8 +238,12 @@ class LoRAEngine:
             return len(self.scheduler)
 
     def healthy(self) -> bool:
-        """The step thread is alive (a failed step fails its batch, not the thread)."""
-        return self._thread.is_alive()
+        """The step thread is alive and steps are not failing one after another.
+
+        A failed step fails its batch, not the thread; but repeated failures mean the device or
+        model is broken (on CUDA an illegal access poisons the context), so Serve should replace us.
+        """
+        return self._thread.is_alive() and self.failed_steps_in_row < MAX_FAILED_STEPS
 
     def stats(self) -> dict:
         with self._lock:
@@ -190,15 +252,24 @@ class LoRAEngine:
                 "running": len(self.scheduler.running),
                 "tokens_generated": self.tokens_generated,
                 "steps": self.steps,
+                "cancelled": self.cancelled,
                 "adapters": self.registry.names(),
                 "host_cached": self.store.host_cache.uids(),
                 "host_cache_bytes": self.store.host_cache.stats.bytes_used,
+                "kv_blocks": self.cache.num_blocks,
+                "kv_block_size": self.cache.block_size,
+                "kv_blocks_used": self.cache.allocator.num_used,
+                "kv_bytes_total": self.cache.total_bytes,
+                "kv_bytes_peak": self.cache.peak_blocks_used * self.cache.bytes_per_block,
+                "kv_prefix_hit_blocks": self.cache.allocator.prefix_hits,
+                "max_running": self.scheduler.max_running,
+                "preemptions": self.scheduler.preemptions,
             }
 
     def apply_settings(self, settings: dict) -> None:
         """Change settings without a restart; all are checked before any is applied."""
         apply_live_settings(settings, config=self.config, pool=self.pool, scheduler=self.scheduler,
-                            kv_rows=self.cache.max_rows)
+                            kv_rows=self.cache.num_blocks)
 
     def shutdown(self) -> None:
         with self._lock:
@@ -218,11 +289,15 @@ class LoRAEngine:
                     self._lock.wait()
                 if self._stopped:
                     return
+                if self._staging and not self.scheduler.running:
+                    self._lock.wait(STAGING_POLL_S)  # the head waits for a file read: do not spin
             try:
                 with self._step_lock:
                     self._step()
+                self.failed_steps_in_row = 0
             except Exception as exc:  # a failed forward must not kill the replica: fail that batch
-                log.exception("engine step failed")
+                self.failed_steps_in_row += 1
+                log.exception("engine step failed (%d in a row)", self.failed_steps_in_row)
                 with self._lock:
                     for seq in list(self.scheduler.running):
                         self._finish(seq, exc)
@@ -231,9 +306,7 @@ class LoRAEngine:
         with self._lock:
             for seq in [s for s in self.scheduler.running if s.cancel_reason is not None]:
                 self._finish(seq, seq.cancel_reason)
-            admitted = self.scheduler.admit()
-        for seq in admitted:
-            seq.row = self.cache.allocate()
+            admitted, _ = self.scheduler.schedule()
         running = list(self.scheduler.running)
         if not running:
             self.pool.release_batch()
@@ -245,19 +318,24 @@ class LoRAEngine:
         inputs = []
         for seq in running:
             ids, start = seq.next_input()
-            inputs.append(SeqInput(seq.row, ids, start, slots[seq.uid]))
+            inputs.append(SeqInput(seq.block_table, ids, start, slots[seq.uid]))
         logits = self.runner.forward(inputs)
         self.steps += 1
-        finished: list[tuple[Sequence, str]] = []
+        for seq in running:
+            self.blocks.commit(seq, seq.num_tokens)
+        finished: list[tuple[Sequence, object]] = []
         for seq, token in zip(running, next_tokens(logits, running)):
+            if isinstance(token, Exception):  # this sequence's sampling failed: it alone fails
+                finished.append((seq, token))
+                continue
             reason = append_token(seq, token, self.eos_ids)
             if reason:
                 finished.append((seq, reason))
         self.tokens_generated += len(running)
         if finished:
             with self._lock:
-                for seq, reason in finished:
-                    self._finish(seq, seq.result(reason))
+                for seq, outcome in finished:
+                    self._finish(seq, outcome if isinstance(outcome, Exception) else seq.result(outcome))
             self.pool.retain_batch(self.scheduler.running_uids())
 
     def _prepare_slots(self, admitted: list[Sequence]) -> Optional[dict]:
@@ -272,12 +350,13 @@ class LoRAEngine:
                     raise
                 with self._lock:
                     if isinstance(exc, PoolError):
-                        # the pool changed since admission (a pin took a slot): wait again, first in line
+                        # the pool changed since admission (a pin took a slot), or the host tier dropped
+                        # the adapter: wait again, first in line (staging it off this thread)
                         for seq in culprits:
-                            self.cache.release(seq.row)
-                            seq.row = None
                             admitted.remove(seq)
                         self.scheduler.requeue_front(culprits)
+                        if isinstance(exc, AdapterNotStagedError):
+                            self._stage_in_background(exc.uid)
                     else:  # the adapter itself failed to load: fail those requests alone
                         for seq in culprits:
                             self._finish(seq, exc)
@@ -286,13 +365,43 @@ class LoRAEngine:
                     self.pool.release_batch()
                     return None
 
+    def _stage(self, uid: str) -> None:
+        """Make ``uid``'s weights ready for a slot load without a file read on the engine thread.
+
+        Normally that is the host tier; an adapter the host tier cannot keep (a budget of 0, or
+        smaller than the adapter) is handed over once, directly, to the next slot load.
+        """
+        weights = self.store.fetch(uid)
+        if not self.store.is_staged(uid):
+            self._handover[uid] = weights
+
+    def _slot_weights(self, uid: str):
+        """The pool's weight source: a memory copy only (the host tier, or a handed-over read)."""
+        handed = self._handover.pop(uid, None)
+        return handed if handed is not None else self.store.fetch_staged(uid)
+
+    def _stage_in_background(self, uid: str) -> None:
+        """Read ``uid`` back into the host tier on a thread; its requests wait at the head meanwhile."""
+        if uid in self._staging:
+            return
+        self._staging.add(uid)
+
+        def stage() -> None:
+            try:
+                self._stage(uid)
+            except LoRAFleetError as exc:  # unregistered meanwhile, or unreadable: its requests fail alone
+                self._cancel(uid, exc)
+            finally:
+                with self._lock:
+                    self._staging.discard(uid)
+                    self._lock.notify_all()
+
+        threading.Thread(target=stage, name=f"lorafleet-stage-{uid}", daemon=True).start()
+
     def _finish(self, seq: Sequence, outcome) -> None:
-        """Called with ``_lock`` held: free the row, settle the caller, wake drains."""
+        """Called with ``_lock`` held: free the KV blocks, settle the caller, wake drains."""
         if seq in self.scheduler.running:
             self.scheduler.finish(seq)
-        if seq.row is not None:
-            self.cache.release(seq.row)
-            seq.row = None
         self._end(seq, outcome)
 
     def _end(self, seq: Sequence, outcome) -> None:

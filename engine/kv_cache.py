@@ -15,7 +15,7 @@ import torch
 
 from .block_allocator import BlockAllocator, KVCacheFullError
 
-__all__ = ["PagedKVCache", "KVCache", "KVCacheFullError", "kv_budget_bytes"]
+__all__ = ["PagedKVCache", "KVCacheFullError", "kv_budget_bytes", "kv_bytes_per_token"]
 
 
 def kv_bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -90,19 +90,3 @@ class PagedKVCache:
         self.k[layer].view(-1, self.kv_heads, self.head_dim).index_copy_(0, slots, k)
         self.v[layer].view(-1, self.kv_heads, self.head_dim).index_copy_(0, slots, v)
 
-
-class KVCache(PagedKVCache):
-    """One block of ``max_len`` tokens per request: the contiguous-rows cache as a degenerate paged one."""
-
-    def __init__(self, num_layers: int, max_rows: int, max_len: int, kv_heads: int, head_dim: int, *,
-                 device: torch.device, dtype: torch.dtype):
-        super().__init__(num_layers, max_rows, max_len, kv_heads, head_dim, device=device, dtype=dtype,
-                         prefix_caching=False)
-        self.max_rows = max_rows
-        self.max_len = max_len
-
-    def allocate(self) -> int:
-        return self.allocator.allocate()
-
-    def release(self, row: int) -> None:
-        self.allocator.free([row])

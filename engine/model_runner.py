@@ -10,7 +10,7 @@ LoRA layers work on contiguous segments.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 from torch import nn
@@ -24,12 +24,9 @@ from .lora_layers import LoRABatchContext, LoRASegment
 
 @dataclass
 class SeqInput:
-    """The tokens one request feeds this step, at positions ``start_pos``... of its block table's blocks.
+    """The tokens one request feeds this step, at positions ``start_pos``... of its block table's blocks."""
 
-    A plain ``int`` block table is a contiguous row (``engine.kv_cache.KVCache``): one block.
-    """
-
-    block_table: Union[list[int], int]
+    block_table: list[int]
     token_ids: list[int]
     start_pos: int
     slot: int
@@ -73,8 +70,7 @@ class ModelRunner:
         """Logits of each request's last token (or of every token with ``all_logits``), in input order."""
         order = sorted(range(len(seqs)), key=lambda i: seqs[i].slot)
         ordered = [seqs[i] for i in order]
-        tables = [[s.block_table] if isinstance(s.block_table, int) else s.block_table for s in ordered]
-        layout = StepLayout(tables, [s.start_pos for s in ordered], [len(s.token_ids) for s in ordered],
+        layout = StepLayout([s.block_table for s in ordered], [s.start_pos for s in ordered], [len(s.token_ids) for s in ordered],
                             self.cache.block_size, self.device)
         starts = layout.token_offsets
         input_ids = torch.tensor([t for s in ordered for t in s.token_ids], device=self.device)

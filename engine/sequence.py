@@ -1,4 +1,4 @@
-"""A request's life inside the engine: prompt, generated tokens, KV row, output sink."""
+"""A request's life inside the engine: prompt, generated tokens, KV blocks, output sink."""
 
 from __future__ import annotations
 
@@ -21,7 +21,10 @@ class Sequence:
         self.output_ids: list[int] = []
         self.detokenizer = detokenizer
         self.sink = sink
-        self.row: Optional[int] = None
+        self.block_table: list[int] = []       # KV blocks holding positions 0.. of prompt + output
+        self.num_computed = 0                  # leading tokens whose K/V are in those blocks
+        self.block_digests: list[bytes] = []   # prefix digests of the full blocks (engine.block_allocator)
+        self.arrival = -1                      # order of arrival, set by the scheduler: FIFO and preemption
         self.blocked_steps = 0
         self.cancel_reason: Optional[BaseException] = None
         self.generator: Optional[torch.Generator] = None
@@ -30,11 +33,26 @@ class Sequence:
             self.generator = torch.Generator(device=device)
             self.generator.manual_seed(request.seed if request.seed is not None else torch.seed())
 
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token_at(self, start: int, end: int) -> list[int]:
+        """Tokens ``start:end`` of prompt + output."""
+        p = len(self.prompt_ids)
+        if end <= p:
+            return self.prompt_ids[start:end]
+        if start >= p:
+            return self.output_ids[start - p:end - p]
+        return self.prompt_ids[start:] + self.output_ids[:end - p]
+
     def next_input(self) -> tuple[list[int], int]:
-        """(tokens to feed, their first position): the prompt at first, then the last token."""
-        if not self.output_ids:
-            return self.prompt_ids, 0
-        return [self.output_ids[-1]], len(self.prompt_ids) + len(self.output_ids) - 1
+        """(tokens to feed, their first position): every token whose K/V is not cached yet.
+
+        The prompt (less any cached prefix) at first, then the last token; after a
+        preemption, the prompt and the output so far again (recomputed).
+        """
+        return self.token_at(self.num_computed, self.num_tokens), self.num_computed
 
     def result(self, finish_reason: str) -> GenerateResult:
         return GenerateResult(

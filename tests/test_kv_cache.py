@@ -1,0 +1,178 @@
+"""The paged KV cache's parts: block allocator, prefix digests, budget sizing, attention through block tables."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.attention import StepLayout, TorchPagedAttention, make_attention
+from engine.block_allocator import BlockAllocator, KVCacheFullError, block_digest
+from engine.kv_cache import PagedKVCache, kv_budget_bytes, kv_bytes_per_token
+
+
+def test_allocate_and_free_count_blocks_and_refuse_when_empty():
+    a = BlockAllocator(3, 4)
+    blocks = [a.allocate() for _ in range(3)]
+    assert sorted(blocks) == [0, 1, 2] and a.num_free == 0 and a.num_used == 3
+    with pytest.raises(KVCacheFullError):
+        a.allocate()
+    a.free([blocks[1]])
+    assert a.num_free == 1 and a.allocate() == blocks[1]
+    with pytest.raises(KVCacheFullError):
+        a.free([blocks[0], blocks[0]])  # freed more often than taken
+
+
+def test_blocks_for_rounds_up():
+    a = BlockAllocator(4, 16)
+    assert [a.blocks_for(n) for n in (0, 1, 16, 17, 32)] == [0, 1, 1, 2, 2]
+
+
+def test_a_registered_block_outlives_its_holder_until_space_is_needed():
+    a = BlockAllocator(2, 4)
+    d = block_digest(None, "x@1", [1, 2, 3, 4])
+    b = a.allocate()
+    a.register(b, d)
+    a.free([b])
+    assert a.num_free == 2 and a.cached_blocks() == 1       # cached, yet counted as free
+    assert a.lookup(d) == b and a.refs(b) == 1 and a.prefix_hits == 1
+    a.free([b])
+    other = a.allocate()                                     # never-used blocks go first
+    assert other != b and a.peek(d) == b
+    a.allocate()                                             # now the cached one is taken over
+    assert a.peek(d) is None and a.evictions == 1
+
+
+def test_least_recently_freed_cached_block_is_evicted_first():
+    a = BlockAllocator(3, 1)
+    digests = [block_digest(None, None, [t]) for t in range(3)]
+    blocks = [a.allocate() for _ in range(3)]
+    for b, d in zip(blocks, digests):
+        a.register(b, d)
+    a.free([blocks[2]])
+    a.free([blocks[0]])
+    a.free([blocks[1]])
+    assert a.allocate() == blocks[2]
+    assert a.peek(digests[2]) is None and a.peek(digests[0]) == blocks[0]
+
+
+def test_shared_block_is_freed_by_its_last_holder_only():
+    a = BlockAllocator(2, 2)
+    d = block_digest(None, None, [5, 6])
+    b = a.allocate()
+    a.register(b, d)
+    assert a.lookup(d) == b and a.refs(b) == 2
+    a.free([b])
+    assert a.num_free == 1
+    a.free([b])
+    assert a.num_free == 2
+
+
+def test_digest_depends_on_uid_tokens_and_parent():
+    base = block_digest(None, None, [1, 2])
+    assert base == block_digest(None, None, [1, 2])
+    assert base != block_digest(None, "", [1, 2])            # the base model is not an adapter named ""
+    assert base != block_digest(None, "a@1", [1, 2])
+    assert block_digest(None, "a@1", [1, 2]) != block_digest(None, "a@2", [1, 2])  # re-registered: new uid
+    assert base != block_digest(None, None, [2, 1])
+    assert block_digest(base, None, [3]) != block_digest(None, None, [3])
+
+
+def test_prefix_caching_off_never_shares():
+    a = BlockAllocator(2, 2, prefix_caching=False)
+    d = block_digest(None, None, [1, 2])
+    b = a.allocate()
+    a.register(b, d)
+    assert a.lookup(d) is None and a.peek(d) is None
+    a.free([b])
+    assert a.cached_blocks() == 0
+
+
+def test_budget_sizing():
+    per_token = kv_bytes_per_token(4, 8, 64, torch.float32)
+    assert per_token == 2 * 4 * 8 * 64 * 4
+    cache = PagedKVCache.from_budget(10 * 16 * per_token + 5, 4, 16, 8, 64, device=torch.device("cpu"),
+                                     dtype=torch.float32)
+    assert cache.num_blocks == 10 and cache.capacity_tokens == 160 and cache.total_bytes == 10 * 16 * per_token
+    assert tuple(cache.k.shape) == (4, 10, 16, 8, 64)
+    with pytest.raises(ValueError, match="holds no block"):
+        PagedKVCache.from_budget(16 * per_token - 1, 4, 16, 8, 64, device=torch.device("cpu"), dtype=torch.float32)
+    cpu = torch.device("cpu")
+    assert kv_budget_bytes(12345, device=cpu, bytes_per_token=10, max_batch_size=2, max_model_len=8,
+                           memory_fraction=0.8) == 12345
+    assert kv_budget_bytes(None, device=cpu, bytes_per_token=10, max_batch_size=2, max_model_len=8,
+                           memory_fraction=0.8) == 160  # what the contiguous rows took
+    with pytest.raises(ValueError, match="less than one token"):
+        kv_budget_bytes(5, device=cpu, bytes_per_token=10, max_batch_size=2, max_model_len=8, memory_fraction=0.8)
+
+
+def test_layout_maps_positions_through_block_tables():
+    layout = StepLayout([[5, 3, 0], [2]], [14, 0], [4, 2], block_size=8, device=torch.device("cpu"))
+    # sequence 0: positions 14..17 -> block 3 offsets 6, 7, then block 0 offsets 0, 1; sequence 1: block 2
+    assert layout.slots.tolist() == [3 * 8 + 6, 3 * 8 + 7, 0, 1, 16, 17]
+    assert layout.positions.tolist() == [14, 15, 16, 17, 0, 1]
+    assert layout.prefill_seqs == [0, 1] and layout.decode is None
+    with pytest.raises(ValueError, match="cannot hold"):
+        StepLayout([[1]], [7], [2], block_size=8, device=torch.device("cpu"))
+
+
+def _reference_attention(q, keys, values, qpos, window, scale, group):
+    """Dense attention of queries at positions ``qpos`` over keys 0..len-1 (causal, optional window)."""
+    kpos = torch.arange(keys.shape[0])
+    mask = kpos[None, :] <= qpos[:, None]
+    if window:
+        mask &= kpos[None, :] > qpos[:, None] - window
+    k = keys.repeat_interleave(group, dim=1).transpose(0, 1)
+    v = values.repeat_interleave(group, dim=1).transpose(0, 1)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask[None], scale=scale)
+    return out.transpose(0, 1).reshape(q.shape[0], -1)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_paged_attention_matches_dense_attention(window):
+    """Decode rows, a fresh prefill and a prefill continuing a cached prefix, on scattered blocks."""
+    torch.manual_seed(0)
+    rng = random.Random(0)
+    H, KV, hd, bs = 4, 2, 8, 4
+    cache = PagedKVCache(1, 32, bs, KV, hd, device=torch.device("cpu"), dtype=torch.float32)
+    free = list(range(32))
+    rng.shuffle(free)
+    # (tokens already cached, new tokens): two decodes, a fresh prefill, a prefill after a cached prefix
+    shapes = [(9, 1), (2, 1), (0, 7), (8, 5)]
+    contexts = [torch.randn(c + n, KV, hd) for c, n in shapes]
+    vcontexts = [torch.randn(c + n, KV, hd) for c, n in shapes]
+    tables = [[free.pop() for _ in range(-(-(c + n) // bs))] for c, n in shapes]
+    for (c, _), table, kctx, vctx in zip(shapes, tables, contexts, vcontexts):
+        if c:
+            pre = StepLayout([table], [0], [c], bs, torch.device("cpu"))
+            cache.write(0, pre.slots, kctx[:c], vctx[:c])
+    layout = StepLayout(tables, [c for c, _ in shapes], [n for _, n in shapes], bs, torch.device("cpu"))
+    k_new = torch.cat([k[c:] for (c, _), k in zip(shapes, contexts)])
+    v_new = torch.cat([v[c:] for (c, _), v in zip(shapes, vcontexts)])
+    q = torch.randn(layout.num_tokens, H, hd)
+    cache.write(0, layout.slots, k_new, v_new)
+    attention = make_attention(cache, H, KV, hd)
+    assert isinstance(attention, TorchPagedAttention)
+    attention.begin_step(layout, [window], 0.3)
+    out = attention(0, q, k_new, v_new, layout, window, 0.3)
+    for i, (c, n) in enumerate(shapes):
+        off = layout.token_offsets[i]
+        expected = _reference_attention(q[off:off + n], contexts[i], vcontexts[i], torch.arange(c, c + n), window,
+                                        0.3, H // KV)
+        assert (out[off:off + n] - expected).abs().max().item() < 1e-5, shapes[i]
+
+
+def test_unknown_or_unusable_attention_backend_is_refused():
+    cache = PagedKVCache(1, 2, 4, 1, 8, device=torch.device("cpu"), dtype=torch.float32)
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        make_attention(cache, 1, 1, 8, "triton")
+    try:
+        import flashinfer  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError):
+            make_attention(cache, 1, 1, 8, "flashinfer")
+    else:
+        with pytest.raises(ValueError, match="CUDA cache"):
+            make_attention(cache, 1, 1, 8, "flashinfer")
