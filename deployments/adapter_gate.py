@@ -45,13 +45,15 @@ class AdapterGate:
         self.resolver = resolver
         self.rng = rng or random.Random()
         self._families: dict[str, list] = {}
-        self._families_of: Optional[dict] = None
+        self._families_of: Optional[dict] = None   # held, so its id cannot be reused by a newer dict
+        self._families_len = 0
 
     def family(self, name: str) -> list:
         entries = self.admin.registry.entries
-        if entries is not self._families_of:  # the follower replaces the dict on every change
+        # the follower replaces the dict on every change; admin calls pop from it in place
+        if entries is not self._families_of or len(entries) != self._families_len:
             self._families = families(entries.values())
-            self._families_of = entries
+            self._families_of, self._families_len = entries, len(entries)
         return self._families.get(name, [])
 
     async def admit(self, name: Optional[str]) -> Admission:

@@ -1,0 +1,269 @@
+"""Versioned rollout under steady traffic, and first-request latency of resolved adapters.
+
+Why: continuous fine-tuning ships a new adapter version every few hours; shifting traffic
+to it must cost the clients nothing. Steady traffic runs on ``support`` (v1) while v2 is
+added and shifted 10% -> 50% -> 100% and v1 retired. Measured: errors during the rollout,
+p99 latency during the rollout over the steady state's, and cold loads (requests served by
+v2 at a moment when v2 was resident on no replica, once the split gave it traffic; a
+poller reads the directory's view every 50 ms). Also: the first request for an adapter
+nobody registered, found by ``adapter_resolvers`` on local disk and on a local S3 server
+(moto's, on 127.0.0.1), next to a second request for it.
+
+    python -m benchmarks.rollout [--quick] [--json PATH] [--clients N] [--seed S]
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import httpx
+import numpy
+
+from benchmarks import common
+from benchmarks.local_s3 import LocalS3Server, s3_client, upload_folder
+
+APP = "rollout-bench"
+ADMIN_TOKEN = "rollout-bench-token"
+VERSION_HEADER = "x-lorafleet-adapter-version"
+BUCKET = "rollout-bench"
+
+
+@dataclass
+class Sample:
+    started: float
+    seconds: float
+    status: int
+    version: str
+    phase: str
+
+
+class Traffic:
+    """``clients`` threads sending completions for one adapter until stopped; each sample tagged by phase."""
+
+    def __init__(self, base: str, model: str, clients: int, max_tokens: int):
+        self.base, self.model, self.clients, self.max_tokens = base, model, clients, max_tokens
+        self.samples: list[Sample] = []
+        self.phase = "warmup"
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(clients)]
+
+    def _run(self, index: int) -> None:
+        with httpx.Client(timeout=120) as client:
+            n = 0
+            while not self._stop.is_set():
+                n += 1
+                phase, started = self.phase, time.monotonic()
+                try:
+                    r = client.post(f"{self.base}/v1/completions", json={
+                        "model": self.model, "prompt": f"client {index} request {n}", "max_tokens": self.max_tokens,
+                        "temperature": 0})
+                    status, version = r.status_code, r.headers.get(VERSION_HEADER, "")
+                    if status == 200 and r.json().get("model") != self.model:
+                        status = -1  # the response must keep the requested name
+                except httpx.HTTPError:
+                    status, version = -2, ""
+                self.samples.append(Sample(started, time.monotonic() - started, status, version, phase))
+
+    def start(self) -> None:
+        for t in self._threads:
+            t.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=180)
+
+
+class ResidencyPoller:
+    """Times at which a uid prefix was resident on no replica, from the directory's view."""
+
+    def __init__(self, directory, prefix: str, interval_s: float = 0.05):
+        self.directory, self.prefix, self.interval_s = directory, prefix, interval_s
+        self.readings: list[tuple[float, bool]] = []   # (time, resident anywhere)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            replicas = self.directory.view.remote().result(timeout_s=30)["replicas"]
+            resident = any(u.startswith(self.prefix) for s in replicas.values() for u in s["resident"])
+            self.readings.append((time.monotonic(), resident))
+            time.sleep(self.interval_s)
+
+    def resident_at(self, t: float) -> Optional[bool]:
+        last = None
+        for when, resident in self.readings:
+            if when > t:
+                break
+            last = resident
+        return last
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+
+def reserve_port() -> socket.socket:
+    """A free port held with SO_REUSEPORT (never listening) so Serve's proxy, binding it the same way, alone accepts."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+def admin(method: str, url: str, **kw) -> dict:
+    r = httpx.request(method, url, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=300, **kw)
+    if r.status_code >= 300:
+        raise RuntimeError(f"{method} {url}: {r.status_code} {r.text}")
+    return r.json()
+
+
+def percentile_ms(values: list[float], q: float) -> float:
+    return float(numpy.percentile(values, q) * 1000) if values else float("nan")
+
+
+def phase_row(phase: str, samples: list[Sample]) -> dict:
+    ok = [s.seconds for s in samples if s.status == 200]
+    return {"phase": phase, "requests": len(samples), "errors": sum(s.status != 200 for s in samples),
+            "v1": sum(s.version == "v1" for s in samples), "v2": sum(s.version == "v2" for s in samples),
+            "p50_ms": percentile_ms(ok, 50), "p99_ms": percentile_ms(ok, 99)}
+
+
+def first_request_rows(base: str, models: dict[str, str]) -> list[dict]:
+    rows = []
+    with httpx.Client(timeout=300) as client:
+        for where, model in models.items():
+            times, statuses = [], []
+            for _ in range(2):
+                started = time.perf_counter()
+                r = client.post(f"{base}/v1/completions", json={"model": model, "prompt": "hello", "max_tokens": 4,
+                                                                "temperature": 0})
+                times.append(time.perf_counter() - started)
+                statuses.append(r.status_code)
+            rows.append({"source": where, "adapter": model, "first_ms": times[0] * 1000, "second_ms": times[1] * 1000,
+                         "status": "/".join(map(str, statuses))})
+    return rows
+
+
+def main(argv=None) -> dict:
+    parser = common.base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--clients", type=int, default=2, help="concurrent clients on the adapter (default 2)")
+    parser.add_argument("--cpus", type=int, default=4, help="CPUs for the local Ray cluster (default 4)")
+    args = parser.parse_args(argv)
+    steady_s, step_s = (12.0, 6.0) if args.quick else (40.0, 20.0)
+    max_tokens = 8
+    all_started = time.perf_counter()
+
+    import ray
+    from ray import serve
+
+    from deployments.app import build_fleet
+    from deployments.config import AppArgs
+    from engine.demo import ensure_demo_assets
+
+    work = Path(tempfile.mkdtemp(prefix="lorafleet-rollout-"))
+    assets = ensure_demo_assets(num_adapters=6)
+    resolve_root = work / "resolve"
+    shutil.copytree(assets.adapters["demo-4"], resolve_root / "from-disk")
+    s3 = LocalS3Server().start()
+    client = s3_client(s3)
+    client.create_bucket(Bucket=BUCKET)
+    upload_folder(client, assets.adapters["demo-5"], BUCKET, "resolve/from-s3")
+    os.environ.update({"LORAFLEET_ADMIN_TOKEN": ADMIN_TOKEN, "SERVE_SOCKET_REUSE_PORT_ENABLED": "1"})
+    port = reserve_port()
+    base = f"http://127.0.0.1:{port.getsockname()[1]}"
+    ray.init(address="local", num_cpus=args.cpus, include_dashboard=False, log_to_driver=False,
+             configure_logging=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": port.getsockname()[1]})
+    logging.getLogger("ray.serve").setLevel(logging.ERROR)
+    demo_dir = assets.adapters["demo-0"].parent
+    app_args = AppArgs(max_loras_per_batch=3, max_lora_rank=16, max_batch_size=4, max_tokens_limit=64,
+                       max_model_len=256, host_cache_bytes=64 << 20,
+                       adapters=[{"name": "support", "source": str(demo_dir / "demo-0")},
+                                 {"name": "other", "source": str(demo_dir / "demo-3")}],
+                       adapter_roots=[str(demo_dir), str(resolve_root)], object_store_prefixes=[f"s3://{BUCKET}"],
+                       adapter_cache_dir=str(work / "node-cache"),
+                       adapter_resolvers=[str(resolve_root), f"s3://{BUCKET}/resolve"])
+    options = {"num_replicas": 2, "ray_actor_options": {"num_cpus": 1, "runtime_env": {"env_vars": s3.env()}}}
+    rows: list[dict] = []
+    try:
+        deploy_started = time.perf_counter()
+        serve.run(build_fleet(app_args, options), name=APP, route_prefix="/")
+        print(f"rollout: deployed 2 workers in {common.elapsed_since(deploy_started)}; {args.clients} clients, "
+              f"{max_tokens} tokens per request, steady {steady_s:.0f} s, {step_s:.0f} s per step", flush=True)
+        directory = serve.get_deployment_handle("AdapterDirectory", app_name=APP)
+        traffic = Traffic(base, "support", args.clients, max_tokens)
+        traffic.start()
+        time.sleep(3.0)
+        traffic.phase = "steady"
+        time.sleep(steady_s)
+        poller = ResidencyPoller(directory, "support@v2@")
+        poller.start()
+        traffic.phase = "add v2"
+        admin("POST", f"{base}/v1/adapters/support/versions", json={"version": "v2", "source": str(demo_dir / "demo-1")})
+        split_at: dict[str, float] = {}
+        for label, split in (("10%", {"v1": 90, "v2": 10}), ("50%", {"v1": 50, "v2": 50}),
+                             ("100%", {"v1": 0, "v2": 100})):
+            traffic.phase = f"to {label}"
+            reply = admin("PUT", f"{base}/v1/adapters/support/traffic", json=split)
+            split_at.setdefault("first", time.monotonic())
+            print(f"  traffic {split}: prewarmed {reply['prewarmed']}, retired {reply['retired']}", flush=True)
+            traffic.phase = f"at {label}"
+            time.sleep(step_s)
+        traffic.stop()
+        poller.stop()
+        samples = traffic.samples
+        for phase in ("steady", "add v2", "to 10%", "at 10%", "to 50%", "at 50%", "to 100%", "at 100%"):
+            rows.append(phase_row(phase, [s for s in samples if s.phase == phase]))
+        rollout = [s for s in samples if s.phase not in ("warmup", "steady")]
+        steady = [s for s in samples if s.phase == "steady"]
+        cold = [s for s in rollout if s.version == "v2" and s.started >= split_at["first"]
+                and poller.resident_at(s.started) is False]
+        first_rows = first_request_rows(base, {"local disk": "from-disk", "local S3 server": "from-s3"})
+    finally:
+        s3.stop()
+        serve.shutdown()
+        ray.shutdown()
+        port.close()
+        shutil.rmtree(work, ignore_errors=True)
+
+    rollout_row = phase_row("rollout (all)", rollout)
+    rows.append(rollout_row)
+    print()
+    common.print_table(rows, ["phase", "requests", "errors", "v1", "v2", "p50_ms", "p99_ms"],
+                       title="Rollout of support v1 -> v2 under steady traffic", floatfmt=".1f")
+    print()
+    common.print_table(first_rows, ["source", "adapter", "first_ms", "second_ms", "status"],
+                       title="First request for an unregistered adapter, found by adapter_resolvers", floatfmt=".1f")
+    errors = sum(s.status != 200 for s in rollout)
+    ratio = rollout_row["p99_ms"] / phase_row("steady", steady)["p99_ms"]
+    goals = [
+        common.goal("rollout_errors", errors, "== 0", errors == 0),
+        common.goal("rollout_p99_ratio", round(ratio, 3), "<= 1.1", ratio <= 1.1),
+        common.goal("rollout_cold_loads", len(cold), "== 0", len(cold) == 0),
+    ]
+    print()
+    common.print_goals(goals)
+    print(f"\ntotal {common.elapsed_since(all_started)}")
+    if args.json:
+        common.write_json(args.json, "rollout", rows + [{"first_request": r} for r in first_rows],
+                          common.settings_of(args, steady_s=steady_s, step_s=step_s, max_tokens=max_tokens),
+                          goals=goals)
+    return {"rows": rows, "first_request": first_rows, "goals": goals}
+
+
+if __name__ == "__main__":
+    main()
