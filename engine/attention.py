@@ -1,17 +1,18 @@
 """Attention over the paged KV cache, read through each sequence's block table.
 
 ``StepLayout`` is built once per step from the sequences' block tables and positions
-(flat write slots, gather indices, masks per sliding-window size) and shared by every
-layer. Two backends read it:
+(where each new token's K/V goes, gather indices, masks per sliding-window size) and is
+shared by every layer. Two backends read it:
 
 - ``TorchPagedAttention`` (CPU, and CUDA without FlashInfer): decode rows gather their
-  blocks with one ``index_select`` per layer and run one batched SDPA with the query heads
-  of each KV head as that head's query rows (grouped-query attention without repeating
-  K/V); a prefill from position 0 attends to its own fresh K/V (no gather), one that
-  continues a cached prefix gathers its blocks.
+  blocks head-major with one ``index_select`` per layer for K and one for V, then attend
+  with two batched matmuls (batch = KV head x request, the query heads sharing a KV head
+  as its rows: grouped-query attention without repeating K/V) and an additive mask. A
+  prefill from position 0 attends to its own fresh K/V (no gather); one that continues a
+  cached prefix gathers its blocks. Prefills use SDPA.
 - ``FlashInferPagedAttention`` (CUDA, fp16/bf16, when ``flashinfer`` is installed): one
   ``BatchPrefillWithPagedKVCacheWrapper`` plan per step and window size, run per layer on
-  the cache tensors as they are (``NHD`` layout).
+  the cache tensors as they are (``HND`` layout).
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ class StepLayout:
         self.starts = list(starts)
         self.counts = list(counts)
         self.kv_lens = [s + n for s, n in zip(starts, counts)]
-        slots: list[int] = []
+        blocks: list[int] = []
+        offsets: list[int] = []
         positions: list[int] = []
         decode_seqs: list[int] = []
         self.prefill_seqs: list[int] = []
@@ -51,16 +53,23 @@ class StepLayout:
                 raise ValueError(f"sequence {i}: {len(table)} blocks of {block_size} cannot hold {start + n} tokens")
             self.token_offsets.append(offset)
             for p in range(start, start + n):
-                slots.append(table[p // block_size] * block_size + p % block_size)
+                blocks.append(table[p // block_size])
+                offsets.append(p % block_size)
             positions.extend(range(start, start + n))
             (decode_seqs if n == 1 else self.prefill_seqs).append(i)
             offset += n
         self.num_tokens = offset
-        self.slots = torch.tensor(slots, dtype=torch.long, device=device)
+        self.write_blocks = torch.tensor(blocks, dtype=torch.long, device=device)
+        self.write_offsets = torch.tensor(offsets, dtype=torch.long, device=device)
         self.positions = torch.tensor(positions, dtype=torch.long, device=device)
         self.decode_seqs = decode_seqs
         self._decode: Optional[_DecodeGather] = _DecodeGather(self, decode_seqs) if decode_seqs else None
         self._prefill_gathers: dict[int, torch.Tensor] = {}
+
+    @property
+    def slots(self) -> torch.Tensor:
+        """Flat cache slot of each new token: ``block * block_size + offset``."""
+        return self.write_blocks * self.block_size + self.write_offsets
 
     @property
     def decode(self) -> Optional["_DecodeGather"]:
@@ -75,7 +84,7 @@ class StepLayout:
 
 
 class _DecodeGather:
-    """Decode rows (one new token each): padded block ids and a key mask per window size."""
+    """Decode rows (one new token each): padded block ids and an additive key mask per window size."""
 
     def __init__(self, layout: StepLayout, seqs: list[int]):
         bs = layout.block_size
@@ -83,26 +92,38 @@ class _DecodeGather:
         lens = [layout.kv_lens[i] for i in seqs]
         nb = -(-max(lens) // bs)
         padded = [list(layout.tables[i][: -(-n // bs)]) for i, n in zip(seqs, lens)]
-        self.blocks = torch.tensor([t + [0] * (nb - len(t)) for t in padded], dtype=torch.long, device=device)
+        self.blocks = torch.tensor([t + [t[0]] * (nb - len(t)) for t in padded], dtype=torch.long, device=device)
         self.tokens = torch.tensor([layout.token_offsets[i] for i in seqs], dtype=torch.long, device=device)
         self.lengths = torch.tensor(lens, dtype=torch.long, device=device)
         self.span = nb * bs
         self._masks: dict[Optional[int], torch.Tensor] = {}
+        self._biases: dict[tuple, torch.Tensor] = {}
 
     def mask(self, window: Optional[int]) -> torch.Tensor:
-        """[B, 1, 1, span] booleans: key position < length (and within the window)."""
+        """[B, span] booleans: key position < length (and within the window)."""
         if window not in self._masks:
             key_pos = torch.arange(self.span, device=self.lengths.device)
             qpos = (self.lengths - 1)[:, None]
             m = key_pos[None, :] <= qpos
             if window:
                 m &= key_pos[None, :] > qpos - window
-            self._masks[window] = m[:, None, None, :]
+            self._masks[window] = m
         return self._masks[window]
+
+    def bias(self, window: Optional[int], kv_heads: int, dtype: torch.dtype) -> torch.Tensor:
+        """[kv_heads * B, 1, span]: 0 where a key is visible, -inf where not (KV-head-major, as the scores)."""
+        key = (window, kv_heads, dtype)
+        if key not in self._biases:
+            zero = torch.zeros((), dtype=dtype, device=self.lengths.device)
+            bias = torch.where(self.mask(window), zero, float("-inf"))
+            B = bias.shape[0]
+            self._biases[key] = bias[None, :, None, :].expand(kv_heads, B, 1, self.span).reshape(kv_heads * B, 1,
+                                                                                                  self.span)
+        return self._biases[key]
 
 
 class TorchPagedAttention:
-    name = "torch-sdpa"
+    name = "torch"
 
     def __init__(self, cache, num_heads: int, num_kv_heads: int, head_dim: int):
         self.cache = cache
@@ -118,30 +139,29 @@ class TorchPagedAttention:
                  window: Optional[int], scale: float) -> torch.Tensor:
         """Attention output [tokens, heads * head_dim]; the step's K/V are already in the cache."""
         T = q.shape[0]
-        H, KV, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        H, KV, G, hd = self.num_heads, self.num_kv_heads, self.group, self.head_dim
         out = torch.empty(T, H * hd, device=q.device, dtype=q.dtype)
-        kc, vc = self.cache.k[layer], self.cache.v[layer]
         dec = layout.decode
         if dec is not None:
             B = dec.blocks.shape[0]
-            flat = dec.blocks.view(-1)
-            keys = kc.index_select(0, flat).view(B, dec.span, KV, hd).transpose(1, 2)   # [B, KV, L, hd]
-            values = vc.index_select(0, flat).view(B, dec.span, KV, hd).transpose(1, 2)
-            # the query heads sharing a KV head become that head's query rows: no K/V repeat
-            qd = q.index_select(0, dec.tokens).view(B, KV, self.group, hd)
-            od = F.scaled_dot_product_attention(qd, keys, values, attn_mask=dec.mask(window), scale=scale)
-            out.index_copy_(0, dec.tokens, od.reshape(B, H * hd))
+            keys, values = self.cache.gather(layer, dec.blocks.view(-1))           # [KV, B * span, hd]
+            keys = keys.view(KV * B, dec.span, hd)
+            values = values.view(KV * B, dec.span, hd)
+            qd = q.index_select(0, dec.tokens).view(B, KV, G, hd).transpose(0, 1).reshape(KV * B, G, hd)
+            scores = torch.baddbmm(dec.bias(window, KV, q.dtype), qd, keys.transpose(1, 2), alpha=scale)
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+            od = torch.bmm(probs, values).view(KV, B, G, hd).transpose(0, 1).reshape(B, H * hd)
+            out.index_copy_(0, dec.tokens, od)
         for i in layout.prefill_seqs:
             start, n, off = layout.starts[i], layout.counts[i], layout.token_offsets[i]
             total = start + n
             qp = q[off:off + n].transpose(0, 1)[None]                      # [1, H, n, hd]
             if start == 0:
-                keys, values = k[off:off + n], v[off:off + n]               # this step's own K/V
+                keys, values = k[off:off + n].transpose(0, 1), v[off:off + n].transpose(0, 1)   # fresh K/V
             else:
-                blocks = layout.prefill_gather(i)
-                keys = kc.index_select(0, blocks).view(-1, KV, hd)[:total]
-                values = vc.index_select(0, blocks).view(-1, KV, hd)[:total]
-            keys, values = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
+                keys, values = self.cache.gather(layer, layout.prefill_gather(i))
+                keys, values = keys[:, :total], values[:, :total]
+            keys, values = keys[None], values[None]                        # [1, KV, total, hd]
             if start == 0 and not window:
                 op = F.scaled_dot_product_attention(qp, keys, values, is_causal=True, scale=scale, enable_gqa=True)
             else:
@@ -190,7 +210,7 @@ class FlashInferPagedAttention:
         for window in set(windows):
             wrapper = self._wrappers.get(window)
             if wrapper is None:
-                wrapper = self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
+                wrapper = self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "HND")
                 self._wrappers[window] = wrapper
             wrapper.plan(qo_t, kv_t, idx_t, last_t, self.num_heads, self.num_kv_heads, self.head_dim, bs,
                          causal=True, window_left=(window - 1) if window else -1, sm_scale=scale,
@@ -203,22 +223,31 @@ class FlashInferPagedAttention:
 
 
 FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
+BACKENDS = ("auto", "torch", "flashinfer")
+KV_LAYOUT = {"torch": "head_major", "flashinfer": "page_major"}
 
 
-def make_attention(cache, num_heads: int, num_kv_heads: int, head_dim: int, backend: str = "auto"):
-    """FlashInfer on CUDA in fp16/bf16 when installed (``backend="auto"``), else torch SDPA."""
-    if backend not in ("auto", "torch", "flashinfer"):
-        raise ValueError(f"unknown attention backend {backend!r}; choose auto, torch or flashinfer")
-    usable = cache.k.device.type == "cuda" and cache.k.dtype in FLASHINFER_DTYPES
-    if backend == "flashinfer" or (backend == "auto" and usable):
-        try:
-            import flashinfer  # noqa: F401
-        except ImportError:
-            if backend == "flashinfer":
-                raise
-            log.info("flashinfer is not installed: attention runs on torch SDPA")
-        else:
-            if not usable:
-                raise ValueError("the flashinfer backend needs a CUDA cache in float16 or bfloat16")
-            return FlashInferPagedAttention(cache, num_heads, num_kv_heads, head_dim)
+def choose_backend(device: torch.device, dtype: torch.dtype, requested: str = "auto") -> str:
+    """FlashInfer on CUDA in fp16/bf16 when installed (for ``auto``), else torch; decides the cache layout."""
+    if requested not in BACKENDS:
+        raise ValueError(f"unknown attention backend {requested!r}; choose one of {BACKENDS}")
+    usable = device.type == "cuda" and dtype in FLASHINFER_DTYPES
+    if requested == "torch" or (requested == "auto" and not usable):
+        return "torch"
+    try:
+        import flashinfer  # noqa: F401
+    except ImportError:
+        if requested == "flashinfer":
+            raise
+        log.info("flashinfer is not installed: attention runs on torch")
+        return "torch"
+    if not usable:
+        raise ValueError("the flashinfer backend needs CUDA and float16 or bfloat16")
+    return "flashinfer"
+
+
+def make_attention(cache, num_heads: int, num_kv_heads: int, head_dim: int):
+    """The backend that reads ``cache``'s layout (``KV_LAYOUT``)."""
+    if cache.layout == KV_LAYOUT["flashinfer"]:
+        return FlashInferPagedAttention(cache, num_heads, num_kv_heads, head_dim)
     return TorchPagedAttention(cache, num_heads, num_kv_heads, head_dim)

@@ -10,7 +10,7 @@ finds them.
 
 from __future__ import annotations
 
-import math
+from typing import Optional
 
 from .block_allocator import block_digest
 from .kv_cache import PagedKVCache
@@ -20,12 +20,13 @@ WATERMARK_FRACTION = 0.01  # blocks kept free at admission while others run, so 
 
 
 class BlockManager:
-    def __init__(self, cache: PagedKVCache):
+    def __init__(self, cache: PagedKVCache, watermark: Optional[int] = None):
+        """``watermark``: blocks admission leaves free while others run (default 1% of the blocks, rounded down:
+        none for a cache of a few long blocks, where a request's first blocks already hold all it will write)."""
         self.cache = cache
         self.allocator = cache.allocator
         self.block_size = cache.block_size
-        self.watermark = max(1, math.ceil(WATERMARK_FRACTION * self.allocator.num_blocks))
-        self.preemptions = 0
+        self.watermark = int(WATERMARK_FRACTION * self.allocator.num_blocks) if watermark is None else watermark
 
     def num_free(self) -> int:
         return self.allocator.num_free

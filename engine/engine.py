@@ -28,6 +28,7 @@ from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .errors import EngineOverloadedError, EngineShutdownError, EngineUnhealthyError, RequestCancelledError
 from .input_processor import InputProcessor
+from .attention import KV_LAYOUT, choose_backend
 from .block_manager import BlockManager
 from .kv_cache import PagedKVCache, kv_budget_bytes, kv_bytes_per_token
 from .live_settings import apply_live_settings
@@ -99,9 +100,11 @@ class LoRAEngine:
                                  bytes_per_token=kv_bytes_per_token(layers, kv_heads, head_dim, self.dtype),
                                  max_batch_size=self.config.max_batch_size, max_model_len=max_model_len,
                                  memory_fraction=getattr(self.config, "kv_cache_memory_fraction", 0.8))
+        backend = choose_backend(self.device, self.dtype)
         return PagedKVCache.from_budget(budget, layers, getattr(self.config, "kv_block_size", 16), kv_heads, head_dim,
                                         device=self.device, dtype=self.dtype,
-                                        prefix_caching=getattr(self.config, "enable_prefix_caching", True))
+                                        prefix_caching=getattr(self.config, "enable_prefix_caching", True),
+                                        layout=KV_LAYOUT[backend])
 
     def _fit_max_model_len(self, max_model_len: int) -> int:
         """A request must fit the cache alone (so the oldest request can always run): clamp the

@@ -44,8 +44,7 @@ def _window_of(attn: nn.Module, config) -> Optional[int]:
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, pool: LoRAMemoryPool, kv_cache: PagedKVCache, context: LoRABatchContext,
-                 attention_backend: str = "auto"):
+    def __init__(self, model: nn.Module, pool: LoRAMemoryPool, kv_cache: PagedKVCache, context: LoRABatchContext):
         self.model = model
         self.decoder = model.model
         self.config = model.config
@@ -59,7 +58,7 @@ class ModelRunner:
         self.scaling = attn0.scaling
         self.windows = [_window_of(layer.self_attn, self.config) for layer in self.decoder.layers]
         self.device = next(model.parameters()).device
-        self.attention = make_attention(kv_cache, self.num_heads, self.num_kv_heads, self.head_dim, attention_backend)
+        self.attention = make_attention(kv_cache, self.num_heads, self.num_kv_heads, self.head_dim)
         # The gathered LoRA form pays in memory copies to save kernel launches: measured slower on CPU
         # (benchmarks.lora_compute: 8 adapters 1.26x base vs 1.05-1.10x with the segment loop), so the
         # CPU keeps the loop; on CUDA launches dominate small decode steps.
@@ -119,7 +118,7 @@ class ModelRunner:
                 q, k = attn.q_norm(q), attn.k_norm(k)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-            self.cache.write(li, layout.slots, k, v)
+            self.cache.write(li, layout.write_blocks, layout.write_offsets, k, v)
             o = self.attention(li, q, k, v, layout, self.windows[li], attn.scaling)
             h = h + attn.o_proj(o)
             h = h + layer.mlp(layer.post_attention_layernorm(h))

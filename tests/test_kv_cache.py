@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.attention import StepLayout, TorchPagedAttention, make_attention
+from engine.attention import StepLayout, TorchPagedAttention, choose_backend, make_attention
 from engine.block_allocator import BlockAllocator, KVCacheFullError, block_digest
 from engine.kv_cache import PagedKVCache, kv_budget_bytes, kv_bytes_per_token
 
@@ -96,7 +96,7 @@ def test_budget_sizing():
     cache = PagedKVCache.from_budget(10 * 16 * per_token + 5, 4, 16, 8, 64, device=torch.device("cpu"),
                                      dtype=torch.float32)
     assert cache.num_blocks == 10 and cache.capacity_tokens == 160 and cache.total_bytes == 10 * 16 * per_token
-    assert tuple(cache.k.shape) == (4, 10, 16, 8, 64)
+    assert tuple(cache.k.shape) == (4, 8, 10, 16, 64)  # head_major: [layers, kv_heads, blocks, ...]
     with pytest.raises(ValueError, match="holds no block"):
         PagedKVCache.from_budget(16 * per_token - 1, 4, 16, 8, 64, device=torch.device("cpu"), dtype=torch.float32)
     cpu = torch.device("cpu")
@@ -130,13 +130,14 @@ def _reference_attention(q, keys, values, qpos, window, scale, group):
     return out.transpose(0, 1).reshape(q.shape[0], -1)
 
 
+@pytest.mark.parametrize("layout", ["head_major", "page_major"])
 @pytest.mark.parametrize("window", [None, 5])
-def test_paged_attention_matches_dense_attention(window):
+def test_paged_attention_matches_dense_attention(window, layout):
     """Decode rows, a fresh prefill and a prefill continuing a cached prefix, on scattered blocks."""
     torch.manual_seed(0)
     rng = random.Random(0)
     H, KV, hd, bs = 4, 2, 8, 4
-    cache = PagedKVCache(1, 32, bs, KV, hd, device=torch.device("cpu"), dtype=torch.float32)
+    cache = PagedKVCache(1, 32, bs, KV, hd, device=torch.device("cpu"), dtype=torch.float32, layout=layout)
     free = list(range(32))
     rng.shuffle(free)
     # (tokens already cached, new tokens): two decodes, a fresh prefill, a prefill after a cached prefix
@@ -147,14 +148,13 @@ def test_paged_attention_matches_dense_attention(window):
     for (c, _), table, kctx, vctx in zip(shapes, tables, contexts, vcontexts):
         if c:
             pre = StepLayout([table], [0], [c], bs, torch.device("cpu"))
-            cache.write(0, pre.slots, kctx[:c], vctx[:c])
+            cache.write(0, pre.write_blocks, pre.write_offsets, kctx[:c], vctx[:c])
     layout = StepLayout(tables, [c for c, _ in shapes], [n for _, n in shapes], bs, torch.device("cpu"))
     k_new = torch.cat([k[c:] for (c, _), k in zip(shapes, contexts)])
     v_new = torch.cat([v[c:] for (c, _), v in zip(shapes, vcontexts)])
     q = torch.randn(layout.num_tokens, H, hd)
-    cache.write(0, layout.slots, k_new, v_new)
-    attention = make_attention(cache, H, KV, hd)
-    assert isinstance(attention, TorchPagedAttention)
+    cache.write(0, layout.write_blocks, layout.write_offsets, k_new, v_new)
+    attention = TorchPagedAttention(cache, H, KV, hd)  # reads either layout through cache.gather
     attention.begin_step(layout, [window], 0.3)
     out = attention(0, q, k_new, v_new, layout, window, 0.3)
     for i, (c, n) in enumerate(shapes):
@@ -164,15 +164,21 @@ def test_paged_attention_matches_dense_attention(window):
         assert (out[off:off + n] - expected).abs().max().item() < 1e-5, shapes[i]
 
 
-def test_unknown_or_unusable_attention_backend_is_refused():
-    cache = PagedKVCache(1, 2, 4, 1, 8, device=torch.device("cpu"), dtype=torch.float32)
+def test_backend_choice_and_the_layout_it_reads():
+    cpu = torch.device("cpu")
+    assert choose_backend(cpu, torch.float32) == "torch"
+    assert choose_backend(cpu, torch.bfloat16) == "torch"      # flashinfer is CUDA only
     with pytest.raises(ValueError, match="unknown attention backend"):
-        make_attention(cache, 1, 1, 8, "triton")
+        choose_backend(cpu, torch.float32, "triton")
     try:
         import flashinfer  # noqa: F401
     except ImportError:
         with pytest.raises(ImportError):
-            make_attention(cache, 1, 1, 8, "flashinfer")
+            choose_backend(cpu, torch.float32, "flashinfer")
     else:
-        with pytest.raises(ValueError, match="CUDA cache"):
-            make_attention(cache, 1, 1, 8, "flashinfer")
+        with pytest.raises(ValueError, match="needs CUDA"):
+            choose_backend(cpu, torch.float32, "flashinfer")
+    cache = PagedKVCache(1, 2, 4, 1, 8, device=cpu, dtype=torch.float32)
+    assert cache.layout == "head_major" and isinstance(make_attention(cache, 1, 1, 8), TorchPagedAttention)
+    with pytest.raises(ValueError, match="unknown KV layout"):
+        PagedKVCache(1, 2, 4, 1, 8, device=cpu, dtype=torch.float32, layout="nhd")

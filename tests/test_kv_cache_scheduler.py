@@ -24,10 +24,10 @@ from engine.sequence import Sequence
 TOKENIZER = build_tokenizer()
 
 
-def make(num_blocks=8, block_size=4, max_batch=16, prefix_caching=True):
+def make(num_blocks=8, block_size=4, max_batch=16, prefix_caching=True, watermark=1):
     cache = PagedKVCache(1, num_blocks, block_size, 1, 2, device=torch.device("cpu"), dtype=torch.float32,
                          prefix_caching=prefix_caching)
-    blocks = BlockManager(cache)
+    blocks = BlockManager(cache, watermark)
     return Scheduler(lambda uids: True, lambda uid: False, max_batch, 16, blocks=blocks), blocks
 
 
@@ -79,6 +79,11 @@ def test_a_request_waiting_for_blocks_is_not_overtaken():
         sched.add(s)
     admitted, _ = sched.schedule()
     assert admitted == [first] and list(sched.waiting) == [big, small]
+
+
+def test_default_watermark_is_one_percent_of_the_blocks_rounded_down():
+    assert make(num_blocks=8, watermark=None)[1].watermark == 0     # e.g. one 2048-token row per request
+    assert make(num_blocks=250, watermark=None)[1].watermark == 2
 
 
 def test_nothing_running_admits_up_to_every_block():
