@@ -99,10 +99,15 @@ class IsolatedDrop:
 
     @property
     def orphan_steps_at_most(self) -> int:
-        """The bound the goal holds: steps after the cancel at most, or, when the engine never counted
-        a cancel (the stream finished first, or the cancel never arrived), every step after the disconnect."""
+        """The bound the goal holds: the tighter of two upper bounds of the steps after the engine's cancel.
+
+        Every token the client read was made before its disconnect, which came before the cancel, so
+        ``steps_after_disconnect`` bounds them too; the polls around the cancel give the other. When the
+        engine never counted a cancel (the stream finished first, or the cancel never arrived), only the
+        first holds.
+        """
         bounds = self.steps_after_cancel_bounds
-        return self.steps_after_disconnect if bounds is None else bounds[1]
+        return self.steps_after_disconnect if bounds is None else min(bounds[1], self.steps_after_disconnect)
 
 
 # ---------------------------------------------------------------------------- requests
@@ -259,7 +264,7 @@ def chaos_goals(chaos_outcomes: Sequence[Outcome], kills: Sequence[KillRecord], 
              None if orphan is None else orphan <= ORPHAN_STEPS_GOAL),
         goal("chaos_recovery_s", recovery, f"<= {RECOVERY_GOAL_S:g} s after each kill",
              recovery <= RECOVERY_GOAL_S),
-        goal("soak_rss_growth", {"max_worker_growth_pct": growth, "errors": soak_errors},
+        goal("soak_rss_growth", {"max_worker_growth_pct": round(growth, 3), "errors": soak_errors},
              f"< {RSS_GROWTH_GOAL_PCT:g}% after warm-up and 0 errors",
              growth < RSS_GROWTH_GOAL_PCT and soak_errors == 0 and len(soak_outcomes) > 0),
     ]

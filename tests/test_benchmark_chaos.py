@@ -76,13 +76,21 @@ def test_an_adapter_never_servable_again_is_infinite_recovery_and_fails():
 
 def test_isolated_drop_bounds_steps_after_the_cancel_from_the_polls_around_it():
     drop = IsolatedDrop(tokens_received=1, tokens_start=100, tokens_before_cancel=102, tokens_after_cancel=104,
-                        tokens_end=105)
-    assert drop.steps_after_disconnect == 4
-    assert drop.steps_after_cancel_bounds == (1, 3)
+                        tokens_end=106)
+    assert drop.steps_after_disconnect == 5
+    assert drop.steps_after_cancel_bounds == (2, 4)
     goal = verdicts(isolated=[drop])["chaos_orphan_steps"]
-    assert goal["measured"] == 3 and goal["pass"] is False  # the bound is above one step: not shown to hold
+    assert goal["measured"] == 4 and goal["pass"] is False  # the bound is above one step: not shown to hold
     tight = IsolatedDrop(1, 100, 104, 104, 105)
     assert verdicts(isolated=[tight])["chaos_orphan_steps"]["pass"] is True
+
+
+def test_the_steps_after_the_disconnect_also_bound_the_steps_after_the_cancel():
+    # polled before the first token: the bracket is wide, but the client read all but one token
+    drop = IsolatedDrop(tokens_received=1, tokens_start=0, tokens_before_cancel=0, tokens_after_cancel=1,
+                        tokens_end=2)
+    assert drop.steps_after_cancel_bounds == (1, 2) and drop.steps_after_disconnect == 1
+    assert drop.orphan_steps_at_most == 1
 
 
 def test_a_drop_whose_cancel_was_never_counted_is_bounded_by_every_step_after_the_disconnect():
