@@ -1,0 +1,1 @@
+"""Parts of ``benchmarks.engine_throughput``: the workload, the systems it drives, the decode roofline."""

@@ -1,0 +1,87 @@
+"""A decode step at batch B with every request on its own adapter, against the floors of that step.
+
+- step: ``ModelRunner.forward`` of B one-token requests (request i on adapter i % 8) over a
+  cached context, plus the greedy argmax the engine takes: the engine's device work per step.
+- GEMM floor: the same step's dense matmuls alone (base weights: q/k/v/o/gate/up/down per
+  layer and lm_head, B tokens), in the same process and threads: what the hardware needs
+  at the least for that step, with no attention, LoRA, norms or bookkeeping.
+- bandwidth floor: the bytes of those weights over the machine's copy bandwidth (bytes read
+  and written per second by a large ``Tensor.copy_``): reading the weights once.
+The three take turns each repeat, so drift hits them alike.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from engine.engine import LoRAEngine
+from engine.model_runner import SeqInput
+
+from benchmarks import common
+
+PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def base_weights(model) -> list[torch.Tensor]:
+    """The dense weights a decode step multiplies by (from a model without LoRA), lm_head last."""
+    weights = []
+    for layer in model.model.layers:
+        for path in PROJECTIONS:
+            module = layer.get_submodule(path)
+            weights.append(module.weight.detach())
+    weights.append(model.lm_head.weight.detach())
+    return weights
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 256 << 20, repeats: int = 5) -> float:
+    """Bytes moved (read + written) per second by ``dst.copy_(src)`` of ``nbytes``."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    times = common.time_repeats(lambda: dst.copy_(src), repeats=repeats, warmup=1, sync=sync)
+    return 2 * nbytes / common.median(times)
+
+
+def measure_decode(engine: LoRAEngine, weights: Sequence[torch.Tensor], adapter_names: Sequence[str], batch: int,
+                   context: int, repeats: int) -> dict:
+    """Median step and floors in ms; the engine must be idle (its step lock is held throughout)."""
+    device = engine.device
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    gen = torch.Generator().manual_seed(0)
+    vocab = engine.model.config.vocab_size
+    alloc = engine.cache.allocator
+    with engine._step_lock:
+        uids = [engine.current_uid(adapter_names[i % len(adapter_names)]) for i in range(batch)]
+        slots = engine.pool.prepare_lora_batch(set(uids))
+        tables = [[alloc.allocate() for _ in range(alloc.blocks_for(context + 1))] for _ in range(batch)]
+        try:
+            prompts = torch.randint(3, vocab, (batch, context), generator=gen).tolist()
+            engine.runner.forward([SeqInput(t, p, 0, slots[u]) for t, p, u in zip(tables, prompts, uids)])
+            tokens = torch.randint(3, vocab, (batch,), generator=gen).tolist()
+            seqs = [SeqInput(t, [tok], context, slots[u]) for t, tok, u in zip(tables, tokens, uids)]
+
+            def step():
+                engine.runner.forward(seqs).argmax(dim=-1).tolist()
+
+            xs = {w.shape[1]: torch.randn(batch, w.shape[1], device=device, dtype=w.dtype) for w in weights}
+
+            def gemms():
+                for w in weights:
+                    F.linear(xs[w.shape[1]], w)
+
+            times = common.time_alternating({"step": step, "gemms": gemms}, repeats=repeats, warmup=2, sync=sync)
+        finally:
+            for t in tables:
+                alloc.free(t)
+            engine.pool.release_batch()
+    weight_bytes = sum(w.numel() * w.element_size() for w in weights)
+    bandwidth = copy_bandwidth(device)
+    step_ms = common.median(times["step"]) * 1e3
+    gemm_ms = common.median(times["gemms"]) * 1e3
+    return {"batch": batch, "context": context, "step_ms": step_ms, "gemm_floor_ms": gemm_ms,
+            "bandwidth_floor_ms": weight_bytes / bandwidth * 1e3, "weight_mb": weight_bytes / 2**20,
+            "copy_gb_s": bandwidth / 1e9, "step_over_gemms": step_ms / gemm_ms}
