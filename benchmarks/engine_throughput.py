@@ -40,7 +40,11 @@ Goals: engine_vs_transformers_cb >= 3.5 (ours mixed vs transformers base, tok/s)
 engine_vs_peft_mixed >= 5.0; kv_concurrency_gain >= 3.0 (max concurrent, paged vs
 contiguous rows, same KV bytes); decode_vs_roofline <= 1.3 (step over its GEMMs).
 
+On a GPU, ``--model llama3-8b`` runs the same rows on Llama-3-8B's shapes (32 layers, hidden
+4096, 32/8 heads, vocab 128256; random bf16 weights, four copies: about 64 GB).
+
     python -m benchmarks.engine_throughput [--quick] [--json PATH] [--plot PATH] [--requests N] [--threads N]
+                                           [--rounds N] [--model bench|llama3-8b]
 """
 
 from __future__ import annotations
@@ -69,6 +73,9 @@ from .throughput.workload import NUM_ADAPTERS, base_only, make_workload, poisson
 
 MODEL = dict(hidden_size=1024, intermediate_size=2816, num_attention_heads=16, num_key_value_heads=8, head_dim=64,
              num_hidden_layers=4, max_position_embeddings=2048)
+# ``--model llama3-8b``: Llama-3-8B's shapes (random weights, bf16): what benchmarks/gpu_check.sh runs on a GPU
+LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                 num_hidden_layers=32, max_position_embeddings=8192, vocab_size=128256, rope_theta=500000.0)
 BATCH = 32                 # our max_batch_size, PEFT's static batch, the decode step's batch
 TODAY_ROWS = 8             # AppArgs' default max_batch_size: the contiguous rows a replica allocated
 BLOCK_SIZE = 16
@@ -81,13 +88,21 @@ COLUMNS = ["system", "tok_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "
            "max_concurrent", "output_tokens", "seconds", "rounds"]
 
 
-def build_model(seed: int, vocab: int, device: torch.device, dtype: torch.dtype):
+def build_model(shape: dict, seed: int, vocab: int, device: torch.device, dtype: torch.dtype):
+    """A random Llama of ``shape`` built on ``device`` in ``dtype`` (an 8B model never passes through host fp32)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=vocab, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-                         **MODEL)
+    config = LlamaConfig(**{"vocab_size": vocab, **shape}, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                         pad_token_id=0)
     torch.manual_seed(seed)
-    return LlamaForCausalLM(config).to(device=device, dtype=dtype).eval()
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.eval()
 
 
 def make_engine(model, tokenizer, folders: Sequence[Path], *, dtype: str, kv_bytes: int, block_size: int,
@@ -112,6 +127,12 @@ def engine_row(system: str, engine: LoRAEngine, requests, names, offsets=None) -
     stats = engine.stats()
     return {"system": system, **summarize(served, started), "peak_kv_mb": stats["kv_bytes_peak"] / 2**20,
             "max_concurrent": stats["max_running"], "preemptions": stats["preemptions"]}
+
+
+def release_device_memory(device: torch.device) -> None:
+    """Hand freed CUDA memory back, so the next system's cache sizing sees it (a no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def warm_up(engine: LoRAEngine, requests, names) -> None:
@@ -183,18 +204,19 @@ def run(args) -> int:
     n = args.requests or (32 if args.quick else 64)
     output_range = (8, 24) if args.quick else (16, 64)
     requests = make_workload(n, PROMPT_RANGE, output_range, args.seed)
-    tokenizer = build_tokenizer(model_max_length=MODEL["max_position_embeddings"])
-    model = build_model(args.seed, len(tokenizer), device, dtype)
+    shape = LLAMA3_8B if args.model == "llama3-8b" else MODEL
+    tokenizer = build_tokenizer(model_max_length=shape["max_position_embeddings"])
+    model = build_model(shape, args.seed, len(tokenizer), device, dtype)
     contiguous_model, hf_model, peft_base = (copy.deepcopy(model) for _ in range(3))
-    shape = LoRAModelShape.from_hf_config(model.config)
     tmp = tempfile.TemporaryDirectory(prefix="lorafleet-engine-throughput-")
-    folders = write_adapters(Path(tmp.name), shape, args.seed)
-    window = MODEL["max_position_embeddings"]
-    per_token = kv_bytes_per_token(MODEL["num_hidden_layers"], MODEL["num_key_value_heads"], MODEL["head_dim"], dtype)
+    folders = write_adapters(Path(tmp.name), LoRAModelShape.from_hf_config(model.config), args.seed)
+    window = min(shape["max_position_embeddings"], 2048)  # the engine's default context window
+    per_token = kv_bytes_per_token(shape["num_hidden_layers"], shape["num_key_value_heads"], shape["head_dim"], dtype)
     kv_bytes = TODAY_ROWS * window * per_token
     max_tokens = output_range[1]
-    print(f"engine_throughput: random Llama, {MODEL['num_hidden_layers']} layers, hidden {MODEL['hidden_size']}, "
-          f"{MODEL['num_attention_heads']}/{MODEL['num_key_value_heads']} heads, vocab {len(tokenizer)}; "
+    print(f"engine_throughput: random Llama ({args.model}), {shape['num_hidden_layers']} layers, hidden "
+          f"{shape['hidden_size']}, {shape['num_attention_heads']}/{shape['num_key_value_heads']} heads, vocab "
+          f"{model.config.vocab_size}; "
           f"{NUM_ADAPTERS} adapters rank 16; device {device} {dtype_name}"
           + (f", {torch.get_num_threads()} threads" if device.type == "cpu" else f" ({torch.cuda.get_device_name()})"))
     print(f"{n} requests, prompts {PROMPT_RANGE[0]}-{PROMPT_RANGE[1]} tokens, outputs {output_range[0]}-"
@@ -219,6 +241,7 @@ def run(args) -> int:
     finally:
         engine.shutdown()
     del engine, model
+    release_device_memory(device)
     contiguous, names = make_engine(contiguous_model, tokenizer, folders, dtype=dtype_name, kv_bytes=kv_bytes,
                                     block_size=window, max_tokens=max_tokens)
     try:
@@ -227,8 +250,10 @@ def run(args) -> int:
     finally:
         contiguous.shutdown()
     del contiguous, contiguous_model
+    release_device_memory(device)
 
     del hf_model
+    release_device_memory(device)
     rows["peft"] = run_peft(peft_base, folders, requests)
 
     order = ["ours", "ours_base", "ours_poisson", "contiguous", "transformers", "peft"]
@@ -244,7 +269,7 @@ def run(args) -> int:
     print(f"done in {common.elapsed_since(started)}")
     if args.json:
         settings = common.settings_of(args, requests=n, output_range=output_range, prompt_range=PROMPT_RANGE,
-                                      model=MODEL, dtype=dtype_name, kv_budget_bytes=kv_bytes, block_size=BLOCK_SIZE,
+                                      model=shape, dtype=dtype_name, kv_budget_bytes=kv_bytes, block_size=BLOCK_SIZE,
                                       batch=BATCH, poisson_load=POISSON_LOAD)
         path = common.write_json(args.json, "engine_throughput", table, settings, {"decode_step": decode_row},
                                  goals=goals)
@@ -276,6 +301,8 @@ def run_peft(base_model, folders: Sequence[Path], requests) -> dict[str, Any]:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = common.base_parser(__doc__.splitlines()[0], plot=True)
     parser.add_argument("--requests", type=int, help="number of requests (default 32 with --quick, else 64)")
+    parser.add_argument("--model", choices=["bench", "llama3-8b"], default="bench",
+                        help="bench: the small Llama above; llama3-8b: Llama-3-8B's shapes (for a GPU)")
     parser.add_argument("--threads", type=int, help="torch threads on the CPU (default: the cores this process may use)")
     parser.add_argument("--rounds", type=int,
                         help="rounds of ours (mixed, base) and transformers, taking turns; each row keeps its best "

@@ -177,7 +177,11 @@ class TorchPagedAttention:
 
 
 class FlashInferPagedAttention:
-    """FlashInfer's paged prefill kernel for every token of a step (decode rows are prefills of one token)."""
+    """FlashInfer's paged prefill kernel for every token of a step (decode rows are prefills of one token).
+
+    The plan's index arrays are built on the host: ``plan`` reads them there anyway and
+    copies them to the device once, so passing device tensors would only add a sync.
+    """
 
     name = "flashinfer"
     WORKSPACE_BYTES = 128 << 20
@@ -192,11 +196,9 @@ class FlashInferPagedAttention:
         self._flashinfer = flashinfer
         self._workspace = torch.empty(self.WORKSPACE_BYTES, dtype=torch.uint8, device=cache.k.device)
         self._wrappers: dict[Optional[int], object] = {}
-        self._scale: Optional[float] = None
 
     def begin_step(self, layout: StepLayout, windows: Sequence[Optional[int]], scale: float) -> None:
         bs = layout.block_size
-        device = layout.device
         qo, kv_indptr, indices, last = [0], [0], [], []
         for table, n, total in zip(layout.tables, layout.counts, layout.kv_lens):
             nb = -(-total // bs)
@@ -204,21 +206,23 @@ class FlashInferPagedAttention:
             indices.extend(table[:nb])
             kv_indptr.append(kv_indptr[-1] + nb)
             last.append(total - (nb - 1) * bs)
-        as_int = dict(dtype=torch.int32, device=device)
-        qo_t, kv_t = torch.tensor(qo, **as_int), torch.tensor(kv_indptr, **as_int)
-        idx_t, last_t = torch.tensor(indices, **as_int), torch.tensor(last, **as_int)
+        host = dict(dtype=torch.int32, device="cpu")
+        qo_t, kv_t = torch.tensor(qo, **host), torch.tensor(kv_indptr, **host)
+        idx_t, last_t = torch.tensor(indices, **host), torch.tensor(last, **host)
         for window in set(windows):
             wrapper = self._wrappers.get(window)
             if wrapper is None:
                 wrapper = self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "HND")
                 self._wrappers[window] = wrapper
+            # HF's sliding_window w: a query sees itself and the w - 1 keys before it (window_left is inclusive)
             wrapper.plan(qo_t, kv_t, idx_t, last_t, self.num_heads, self.num_kv_heads, self.head_dim, bs,
                          causal=True, window_left=(window - 1) if window else -1, sm_scale=scale,
                          q_data_type=self.cache.k.dtype, kv_data_type=self.cache.k.dtype)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: StepLayout,
                  window: Optional[int], scale: float) -> torch.Tensor:
-        o = self._wrappers[window].run(q, (self.cache.k[layer], self.cache.v[layer]))
+        """Attention output [tokens, heads * head_dim]; the step's K/V are already in the cache."""
+        o = self._wrappers[window].run(q.contiguous(), (self.cache.k[layer], self.cache.v[layer]))
         return o.reshape(q.shape[0], self.num_heads * self.head_dim)
 
 
