@@ -272,7 +272,7 @@ class LoRAEngine:
     def apply_settings(self, settings: dict) -> None:
         """Change settings without a restart; all are checked before any is applied."""
         apply_live_settings(settings, config=self.config, pool=self.pool, scheduler=self.scheduler,
-                            kv_rows=self.cache.num_blocks)
+                            kv_blocks=self.cache.num_blocks)
 
     def shutdown(self) -> None:
         with self._lock:

@@ -12,18 +12,18 @@ LIVE_SETTINGS = ("eviction_policy", "max_batch_size", "max_tokens_limit")
 
 
 def apply_live_settings(settings: dict, *, config: EngineConfig, pool: LoRAMemoryPool, scheduler: Scheduler,
-                        kv_rows: int) -> None:
+                        kv_blocks: int) -> None:
     """Check every setting first, then apply them all: a bad one changes nothing.
 
-    ``kv_rows`` bounds ``max_batch_size``: the KV cache rows were allocated at start.
+    ``kv_blocks`` bounds ``max_batch_size``: every running request holds at least one KV block.
     """
     unknown = sorted(set(settings) - set(LIVE_SETTINGS))
     if unknown:
         raise ValueError(f"not live-changeable: {unknown}; live settings are {list(LIVE_SETTINGS)}")
     policy = get_eviction_policy(settings["eviction_policy"]) if "eviction_policy" in settings else None
     size = settings.get("max_batch_size")
-    if size is not None and not 1 <= int(size) <= kv_rows:
-        raise ValueError(f"max_batch_size must be in [1, {kv_rows}] (the KV rows allocated), got {size}")
+    if size is not None and not 1 <= int(size) <= kv_blocks:
+        raise ValueError(f"max_batch_size must be in [1, {kv_blocks}] (the KV cache's blocks), got {size}")
     limit = settings.get("max_tokens_limit")
     if limit is not None and int(limit) < 1:
         raise ValueError(f"max_tokens_limit must be >= 1, got {limit}")
