@@ -108,10 +108,8 @@ def build_model(shape: dict, seed: int, vocab: int, device: torch.device, dtype:
 def make_engine(model, tokenizer, folders: Sequence[Path], *, dtype: str, kv_bytes: int, block_size: int,
                 max_tokens: int) -> tuple[LoRAEngine, list[str]]:
     config = AppArgs(dtype=dtype, max_loras_per_batch=NUM_ADAPTERS + 1, max_lora_rank=16, max_batch_size=BATCH,
-                     max_tokens_limit=max_tokens).engine_config("bench")
-    config.kv_cache_bytes = kv_bytes
-    config.kv_block_size = block_size
-    config.enable_prefix_caching = False
+                     max_tokens_limit=max_tokens, kv_cache_bytes=kv_bytes, kv_block_size=block_size,
+                     enable_prefix_caching=False).engine_config("bench")
     engine = LoRAEngine(config, model=model, tokenizer=tokenizer)
     engine.eos_ids = set()  # EOS ignored: every request emits exactly max_tokens
     names = [f"a{i}" for i in range(len(folders))]

@@ -63,6 +63,10 @@ class AppArgs(BaseModel):
     adapters: Optional[list[AdapterSpec]] = None  # None with base_model demo: the demo adapters
     max_batch_size: int = Field(default=8, ge=1)
     max_model_len: Optional[int] = Field(default=None, ge=16)
+    kv_cache_bytes: Optional[int] = Field(default=None, ge=1)  # per replica; None: 80% of free GPU memory, CPU: rows
+    kv_cache_memory_fraction: float = Field(default=0.8, gt=0, le=1)  # CUDA, kv_cache_bytes None
+    kv_block_size: int = Field(default=16, ge=1)  # token positions per KV block
+    enable_prefix_caching: bool = True  # share KV blocks of equal (adapter uid, prompt prefix)
     max_tokens_limit: int = Field(default=512, ge=1)
     max_waiting_requests: int = Field(default=64, ge=1)  # per replica engine queue, beyond its running batch
     max_bypass_steps: int = Field(default=16, ge=0)  # steps a blocked queue head may be bypassed (no starvation)

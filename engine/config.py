@@ -22,8 +22,12 @@ class EngineConfig:
     target_modules: tuple[str, ...]
     eviction_policy: str
     host_cache_bytes: int
-    max_batch_size: int                      # running requests (= KV cache rows)
-    max_model_len: Optional[int]             # None: min(max_position_embeddings, 2048)
+    max_batch_size: int                      # running requests at most (each holds KV blocks for its tokens)
+    max_model_len: Optional[int]             # None: min(max_position_embeddings, 2048, what the KV cache holds)
+    kv_cache_bytes: Optional[int]            # KV budget; None: CUDA kv_cache_memory_fraction of free memory, CPU max_batch_size x max_model_len tokens
+    kv_cache_memory_fraction: float          # on CUDA with kv_cache_bytes None: share of the memory free after weights and pool
+    kv_block_size: int                       # token positions per KV block
+    enable_prefix_caching: bool              # reuse full KV blocks of the same adapter uid and prompt prefix
     max_tokens_limit: int
     adapter_roots: Optional[list[str]]       # allow-list of local folders (None: any)
     hub_orgs: Optional[list[str]]            # allow-list of hub organisations (None: any)

@@ -96,14 +96,14 @@ class LoRAEngine:
         attn = model.model.layers[0].self_attn
         layers, head_dim = len(model.model.layers), attn.head_dim
         kv_heads = attn.k_proj.weight.shape[0] // head_dim
-        budget = kv_budget_bytes(getattr(self.config, "kv_cache_bytes", None), device=self.device,
+        budget = kv_budget_bytes(self.config.kv_cache_bytes, device=self.device,
                                  bytes_per_token=kv_bytes_per_token(layers, kv_heads, head_dim, self.dtype),
                                  max_batch_size=self.config.max_batch_size, max_model_len=max_model_len,
-                                 memory_fraction=getattr(self.config, "kv_cache_memory_fraction", 0.8))
+                                 memory_fraction=self.config.kv_cache_memory_fraction)
         backend = choose_backend(self.device, self.dtype)
-        return PagedKVCache.from_budget(budget, layers, getattr(self.config, "kv_block_size", 16), kv_heads, head_dim,
+        return PagedKVCache.from_budget(budget, layers, self.config.kv_block_size, kv_heads, head_dim,
                                         device=self.device, dtype=self.dtype,
-                                        prefix_caching=getattr(self.config, "enable_prefix_caching", True),
+                                        prefix_caching=self.config.enable_prefix_caching,
                                         layout=KV_LAYOUT[backend])
 
     def _fit_max_model_len(self, max_model_len: int) -> int:

@@ -56,11 +56,9 @@ def setup(request, tmp_path_factory):
     mc = AutoConfig.from_pretrained(model_dir)
     head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
     per_token = kv_bytes_per_token(mc.num_hidden_layers, mc.num_key_value_heads, head_dim, torch.float32)
-    config = AppArgs(base_model=str(model_dir), max_loras_per_batch=3, max_lora_rank=16,
-                     max_batch_size=8).engine_config(request.param)
-    config.kv_cache_bytes = BLOCKS * BLOCK * per_token
-    config.kv_block_size = BLOCK
-    engine = LoRAEngine(config)
+    engine = LoRAEngine(AppArgs(base_model=str(model_dir), max_loras_per_batch=3, max_lora_rank=16, max_batch_size=8,
+                                kv_cache_bytes=BLOCKS * BLOCK * per_token, kv_block_size=BLOCK)
+                        .engine_config(request.param))
     for name, path in assets.adapters.items():
         engine.register_adapter(name, str(path))
     yield assets, peft_model, engine
