@@ -57,6 +57,7 @@ CHAOS_PHASES = ("drops", "worker_kill", "directory_kill")
 KILL_CAP_S = 90.0     # stop waiting for a recovery after this long (recovery is then inf)
 SETTLE_S = 3.0        # probes keep going this long after recovery, so a relapse is seen
 BEFORE_KILL_S = 3.0   # traffic runs this long before each kill
+POLLERS_PER_REPLICA = 2  # threads reading each engine's counters during an isolated drop (finer brackets)
 
 
 def app_args(args):
@@ -96,16 +97,17 @@ class StatsPoller(threading.Thread):
 
 
 def bracket_cancel(samples: list[tuple[int, int]], cancelled_before: int) -> tuple[Optional[int], Optional[int]]:
-    """tokens_generated at the last sample before the cancel was counted and at the first one after."""
-    for i, (cancelled, tokens) in enumerate(samples):
-        if cancelled > cancelled_before:
-            return (samples[i - 1][1] if i else None), tokens
-    return None, None
+    """tokens_generated just before the cancel was counted (the most any earlier sample saw) and just after it
+    (the least any later sample saw). Both counters only grow and each sample reads them together, so this
+    holds in any order samples arrive, from any number of pollers."""
+    before = [tokens for cancelled, tokens in samples if cancelled <= cancelled_before]
+    after = [tokens for cancelled, tokens in samples if cancelled > cancelled_before]
+    return (max(before) if before else None), (min(after) if after else None)
 
 
 async def isolated_drop(client, replicas: list[str], adapter: str, max_tokens: int) -> IsolatedDrop:
     before = await asyncio.to_thread(fleet.wait_until_idle, APP, replicas)
-    pollers = [StatsPoller(r) for r in replicas]
+    pollers = [StatsPoller(r) for r in replicas for _ in range(POLLERS_PER_REPLICA)]
     for p in pollers:
         p.start()
     while not all(p.samples for p in pollers):  # every replica read once before the request starts
@@ -130,8 +132,8 @@ async def isolated_drop(client, replicas: list[str], adapter: str, max_tokens: i
     if len(served) != 1:
         raise RuntimeError(f"an isolated drop should run on exactly one replica, ran on {served} ({outcome})")
     (replica,) = served
-    poller = next(p for p in pollers if p.replica_id == replica)
-    before_cancel, after_cancel = bracket_cancel(poller.samples, before[replica]["cancelled"])
+    samples = [s for p in pollers if p.replica_id == replica for s in p.samples]
+    before_cancel, after_cancel = bracket_cancel(samples, before[replica]["cancelled"])
     return IsolatedDrop(tokens_received=outcome.tokens_received, tokens_start=before[replica]["tokens_generated"],
                         tokens_before_cancel=before_cancel, tokens_after_cancel=after_cancel,
                         tokens_end=after[replica]["tokens_generated"])

@@ -74,9 +74,9 @@ class KillRecord:
 class IsolatedDrop:
     """One stream dropped by its client on an otherwise idle fleet, with its replica's engine counters.
 
-    ``tokens_*`` are the serving replica's ``tokens_generated``: when the stream started, at
-    the last poll that did not yet count its cancel, at the first poll that did, and once the
-    replica was idle again. With nothing else running, each of its tokens is one engine step.
+    ``tokens_*`` are the serving replica's ``tokens_generated``: when the stream started, the
+    most any poll saw before the engine counted its cancel, the least any poll saw after, and
+    once the replica was idle again. With nothing else running, each of its tokens is one step.
     """
 
     tokens_received: int

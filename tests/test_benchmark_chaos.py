@@ -101,10 +101,10 @@ def test_a_drop_whose_cancel_was_never_counted_is_bounded_by_every_step_after_th
     assert verdicts(isolated=[])["chaos_orphan_steps"]["pass"] is None  # nothing measured: no verdict
 
 
-def test_bracket_cancel_reads_the_polls_on_each_side_of_the_counted_cancel():
-    samples = [(5, 10), (5, 11), (5, 13), (6, 14), (6, 14)]
+def test_bracket_cancel_reads_the_polls_on_each_side_of_the_counted_cancel_in_any_order():
+    samples = [(5, 10), (6, 14), (5, 13), (5, 11), (6, 15)]  # two pollers' samples, interleaved
     assert bracket_cancel(samples, 5) == (13, 14)
-    assert bracket_cancel(samples, 6) == (None, None)
+    assert bracket_cancel(samples, 6) == (15, None)  # no cancel counted after these
     assert bracket_cancel([(6, 20)], 5) == (None, 20)  # counted before the first poll: no lower side
 
 
