@@ -8,15 +8,23 @@ from __future__ import annotations
 
 import json
 
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
 from .http_errors import HTTPError
 from .openai_protocol import error_body
 
 
-class BodyTooLarge(HTTPError):
-    """Raised from ``receive`` inside the app, so the app's handler answers 413 (HTTPError's status)."""
+class BodyTooLarge(HTTPError, StarletteHTTPException):
+    """Raised from ``receive`` inside the app, so the app's handler answers 413 (HTTPError's status).
+
+    Also a Starlette ``HTTPException``: FastAPI turns any other error raised while it reads a
+    body into a generic 400, but lets these through to the handlers.
+    """
 
     def __init__(self, limit: int):
-        super().__init__(413, f"request body exceeds the limit of {limit} bytes", code="body_too_large")
+        message = f"request body exceeds the limit of {limit} bytes"
+        HTTPError.__init__(self, 413, message, code="body_too_large")
+        self.status_code, self.detail, self.headers = 413, message, None
 
 
 class BodyLimitMiddleware:

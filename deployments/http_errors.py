@@ -32,7 +32,10 @@ from pool.errors import (
     BatchTooLargeError,
     LoRAFleetError,
     PoolError,
+    SourceAccessDeniedError,
+    SourceBackendMissingError,
     SourceNotAllowedError,
+    SourceUnavailableError,
 )
 
 from .openai_protocol import UnsupportedParameter, error_body
@@ -66,6 +69,9 @@ ERROR_FAMILIES: dict[type[BaseException], ErrorFamily] = {
     ValueError: ErrorFamily(400, "invalid_request"),
     AdapterNotFoundError: ErrorFamily(404, "model_not_found"),
     SourceNotAllowedError: ErrorFamily(403),
+    SourceAccessDeniedError: ErrorFamily(403),
+    SourceBackendMissingError: ErrorFamily(501),
+    SourceUnavailableError: ErrorFamily(503, retry_after=1),
     AdapterError: ErrorFamily(400),
     BatchTooLargeError: ErrorFamily(400),
     AdapterExistsError: ErrorFamily(409),

@@ -161,7 +161,19 @@ def bad_adapters(demo_assets, tmp_path_factory):
     shutil.copytree(demo_assets.adapters["demo-0"], corrupt)
     data = (corrupt / "adapter_model.safetensors").read_bytes()
     (corrupt / "adapter_model.safetensors").write_bytes(data[: len(data) // 3])
-    return {"big": str(big), "pickled": str(pickled), "corrupt": str(corrupt)}
+    shapes = root / "wrong-shapes"
+    shutil.copytree(demo_assets.adapters["demo-0"], shapes)
+    from safetensors.torch import save_file
+
+    tensors = load_file(shapes / "adapter_model.safetensors")
+    key = next(k for k in tensors if "lora_A" in k)
+    tensors[key] = torch.zeros(tensors[key].shape[0], tensors[key].shape[1] + 3)
+    save_file(tensors, shapes / "adapter_model.safetensors")
+    no_config = root / "no-config"
+    shutil.copytree(demo_assets.adapters["demo-0"], no_config)
+    (no_config / "adapter_config.json").unlink()
+    return {"big": str(big), "pickled": str(pickled), "corrupt": str(corrupt), "shapes": str(shapes),
+            "no_config": str(no_config)}
 
 
 def _bad_cases(bad):
@@ -193,13 +205,58 @@ def _bad_cases(bad):
         ("POST", admin + "/no-such-adapter/pin", None, 404, "no-such-adapter"),
         ("POST", admin + "/demo-1/pin", {"replicas": 0}, 400, "replicas"),
         ("POST", admin, [1, 2], 400, "JSON object"),
+        # sampling parameters: finite, in range, and nothing the engine does not implement
+        ("POST", completions, b'{"model": "demo-1", "prompt": "x", "temperature": NaN}', 400, "temperature"),
+        ("POST", completions, {"model": "demo-1", "prompt": "x", "temperature": 3}, 400, "temperature"),
+        ("POST", completions, {"model": "demo-1", "prompt": "x", "top_p": 1.5}, 400, "top_p"),
+        ("POST", completions, {"model": "demo-1", "prompt": "x", "seed": -1}, 400, "seed"),
+        ("POST", completions, {"model": "demo-1", "prompt": "x", "response_format": {"type": "json_object"}}, 400,
+         "response_format"),
+        ("POST", chat, {"model": "demo-1", "messages": [{"role": "user", "content": "x"}],
+                        "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+        ("POST", completions, {"model": "demo-1", "prompt": "x", "logit_bias": {"5": 3}}, 400, "logit_bias"),
+        ("POST", completions, {"model": "demo-1", "prompt": "x", "best_of": 2}, 400, "best_of"),
+        ("POST", completions, {"model": "demo-1", "prompt": "x", "top_k": 5}, 400, "top_k"),
+        ("POST", completions, {"model": "demo-1", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+        ("POST", completions, {"model": "demo-1", "prompt": "x", "stop": "s" * 300}, 400, "stop"),
+        ("POST", completions, {"model": "demo-1", "prompt": "x", "echo": True}, 400, "echo"),
+        ("POST", completions, {"model": "demo-1", "prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+        # prompts and messages
+        ("POST", completions, {"model": "demo-1", "prompt": [999_999]}, 400, "prompt"),
+        ("POST", completions, {"model": "demo-1", "prompt": ["a", "b"]}, 400, "prompt"),
+        ("POST", completions, {"prompt": "x"}, 400, "model"),
+        ("POST", chat, {"model": "demo-1", "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages"),
+        ("POST", chat, {"model": "demo-1", "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400, "messages"),
+        # adapter registration: names, sources, files
+        ("POST", admin, {"name": "n" * 200, "source": "demo:demo-0"}, 400, "name"),
+        ("POST", admin, {"name": "nosource"}, 400, "source"),
+        ("POST", admin, {"name": "shapes", "source": bad["shapes"]}, 400, "shape"),
+        ("POST", admin, {"name": "noconfig", "source": bad["no_config"]}, 400, "adapter_config.json"),
+        ("POST", admin, {"name": "bad-replicas", "source": "demo:demo-0", "replicas": 0}, 400, "replicas"),
+        ("POST", admin + "/demo-1/pin", {"replicas": "x"}, 400, "replicas"),
+        ("POST", admin + "/demo-1/pin", {"color": "red"}, 400, "color"),
     ]
 
 
+def pools(replicas) -> dict:
+    """Every replica's real pool: resident uids and pins."""
+    from fleet_helpers import real_pool
+
+    return {r: (real_pool(r)["resident"], sorted(real_pool(r)["pinned"])) for r in replicas}
+
+
 def test_every_bad_input_gets_its_status_and_changes_nothing(fleet, bad_adapters, http_base):
-    before = admin_state(http_base)
-    for method, path, body, status, needle in _bad_cases(bad_adapters):
-        reply = httpx.request(method, f"{http_base}{path}", json=body, headers=AUTH, timeout=60)
+    from fleet_helpers import live_replicas
+
+    replicas = live_replicas(2)
+    before, pools_before = admin_state(http_base), pools(replicas)
+    cases = _bad_cases(bad_adapters)
+    assert len(cases) >= 40
+    for method, path, body, status, needle in cases:
+        raw = {"content": body, "headers": {**AUTH, "content-type": "application/json"}} \
+            if isinstance(body, bytes) else {"json": body, "headers": AUTH}  # bytes: JSON httpx will not write
+        reply = httpx.request(method, f"{http_base}{path}", timeout=60, **raw)
         assert reply.status_code == status, (path, body, reply.text[:300])
         error = reply.json()["error"]
         assert needle in error["message"] or needle == error.get("param"), (needle, error)
@@ -208,7 +265,11 @@ def test_every_bad_input_gets_its_status_and_changes_nothing(fleet, bad_adapters
     rank_error = httpx.post(f"{http_base}/v1/adapters", headers=AUTH, timeout=60,
                             json={"name": "big", "source": bad_adapters["big"]}).json()["error"]["message"]
     assert "32" in rank_error and str(FLEET_ARGS["max_lora_rank"]) in rank_error  # both numbers
+    chunked = httpx.post(f"{http_base}/v1/completions", timeout=60, headers={"content-type": "application/json"},
+                         content=(b"x" * 65536 for _ in range(40)))  # 2.6 MB, no Content-Length
+    assert chunked.status_code == 413 and "exceeds" in chunked.json()["error"]["message"]
     assert admin_state(http_base) == before
+    assert pools(replicas) == pools_before
 
 
 def test_pinning_the_last_free_slot_is_refused(fleet, http_base):

@@ -18,7 +18,10 @@ from pool.errors import (
     PickleWeightsRefusedError,
     PinRefusedError,
     RankTooLargeError,
+    SourceAccessDeniedError,
+    SourceBackendMissingError,
     SourceNotAllowedError,
+    SourceUnavailableError,
 )
 
 pytestmark = pytest.mark.unit
@@ -28,6 +31,9 @@ CASES = [
     (UnsupportedParameter("n", "n=2 is not supported"), 400, "n"),
     (AdapterNotFoundError("adapter 'x' is not registered"), 404, "model"),
     (SourceNotAllowedError("outside the allow-list"), 403, None),
+    (SourceAccessDeniedError("credentials refused"), 403, None),
+    (SourceBackendMissingError("install s3fs"), 501, None),
+    (SourceUnavailableError("endpoint unreachable"), 503, None),
     (PickleWeightsRefusedError("pickle refused"), 400, None),
     (CorruptWeightsError("truncated"), 400, None),
     (RankTooLargeError("a", 64, 16), 400, None),

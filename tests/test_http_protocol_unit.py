@@ -86,6 +86,10 @@ def _echo_app():
     async def echo(request: Request):
         return {"bytes": len(await request.body())}
 
+    @app.post("/parsed")
+    async def parsed(body: dict):  # FastAPI reads and parses the body itself
+        return {"keys": len(body)}
+
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=1000)
     return app
 
@@ -93,6 +97,25 @@ def _echo_app():
 def test_a_chunked_body_over_the_limit_is_refused_with_413():
     status, body = _run_asgi(_echo_app(), [b"x" * 400] * 4, [(b"transfer-encoding", b"chunked")])
     assert status == 413 and "1000 bytes" in body["error"]["message"]
+
+
+def test_a_chunked_body_over_the_limit_read_by_fastapi_is_413_not_400():
+    app = _echo_app()
+    sent: list[dict] = []
+    chunks = [b'{"a": "' + b"x" * 600, b"x" * 600 + b'"}']
+
+    async def receive():
+        chunk = chunks.pop(0)
+        return {"type": "http.request", "body": chunk, "more_body": bool(chunks)}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/parsed", "query_string": b"", "http_version": "1.1",
+             "headers": [(b"content-type", b"application/json"), (b"transfer-encoding", b"chunked")],
+             "scheme": "http", "server": ("t", 80), "client": ("c", 1), "root_path": ""}
+    asyncio.run(app(scope, receive, send))
+    assert next(m["status"] for m in sent if m["type"] == "http.response.start") == 413
 
 
 def test_a_declared_length_over_the_limit_is_refused_before_reading():
