@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from fastapi import APIRouter
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from engine.errors import InvalidRequestError
 from engine.request import GenerateRequest
 
 from .openai_protocol import ChatCompletionRequest, CompletionRequest, completion_body, new_id, to_generate_request
-from .sse import completion_events
+from .sse import CompletionStream
 from .traffic_split import families
 
 
@@ -61,9 +61,8 @@ def openai_router(ingress) -> APIRouter:
         except BaseException:
             close()
             raise
-        events = completion_events(upstream, first, model, rid, chat, include_usage, args.stream_idle_timeout_s,
-                                   close)
-        return StreamingResponse(events, media_type="text/event-stream", headers=admission.headers())
+        return CompletionStream(upstream, first, model, rid, chat, include_usage, args.stream_idle_timeout_s,
+                                close, headers=admission.headers())
 
     @router.post("/v1/completions")
     async def completions(body: CompletionRequest):

@@ -20,6 +20,14 @@ Submit = Callable[[GenerateRequest, Callable[[SinkItem], None]], Sequence]
 Cancel = Callable[[Sequence], None]
 
 
+def _deliver(loop: asyncio.AbstractEventLoop, callback: Callable, *args) -> None:
+    """Hand an item to the caller's loop; a caller whose loop has closed is gone, not an engine error."""
+    try:
+        loop.call_soon_threadsafe(callback, *args)
+    except RuntimeError:  # the event loop is closed
+        pass
+
+
 async def _submit_off_loop(submit: Submit, cancel: Cancel, request: GenerateRequest,
                            sink: Callable[[SinkItem], None]) -> Sequence:
     """``submit`` on a thread; if the caller is cancelled meanwhile, the sequence is cancelled once it exists."""
@@ -36,7 +44,7 @@ async def stream(submit: Submit, cancel: Cancel, request: GenerateRequest,
     """Token deltas as they are produced (the last carries the finish reason), then the result if asked."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
-    seq = await _submit_off_loop(submit, cancel, request, lambda item: loop.call_soon_threadsafe(queue.put_nowait, item))
+    seq = await _submit_off_loop(submit, cancel, request, lambda item: _deliver(loop, queue.put_nowait, item))
     settled = False
     try:
         while True:
@@ -71,7 +79,7 @@ async def result(submit: Submit, cancel: Cancel, request: GenerateRequest) -> Ge
                 future.set_exception(item)
             else:
                 future.set_result(item)
-        loop.call_soon_threadsafe(settle)
+        _deliver(loop, settle)
 
     seq = await _submit_off_loop(submit, cancel, request, sink)
     try:

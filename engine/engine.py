@@ -15,37 +15,35 @@ import threading
 from typing import AsyncIterator, Callable, Optional
 
 from pool.errors import AdapterNotStagedError, LoRAFleetError, PoolError
-from pool.events import PoolSnapshot
-from pool.host_cache import HostAdapterCache
-from pool.memory_pool import EventListener, LoRAMemoryPool
+from pool.memory_pool import LoRAMemoryPool
 from pool.shapes import LoRAModelShape
 from pool.store import AdapterRecord, AdapterStore
 
 from . import callers
 from .adapter_manager import AdapterManager
+from .adapter_staging import AdapterStaging
 from .adapter_registry import AdapterRegistry
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .errors import EngineOverloadedError, EngineShutdownError, EngineUnhealthyError, RequestCancelledError
 from .input_processor import InputProcessor
-from .attention import KV_LAYOUT, choose_backend
 from .block_manager import BlockManager
-from .kv_cache import PagedKVCache, kv_budget_bytes, kv_bytes_per_token
+from .kv_setup import build_kv_cache, fit_max_model_len
 from .live_settings import apply_live_settings
 from .lora_layers import LoRABatchContext, attach_lora
 from .model_loader import load_base_model
 from .model_runner import ModelRunner, SeqInput
 from .output_processor import append_token, eos_token_ids, next_tokens
 from .request import GenerateRequest, GenerateResult, TokenDelta
+from .read_api import EngineReadAPI
 from .scheduler import Scheduler
 from .sequence import Sequence, SinkItem
 
 log = logging.getLogger(__name__)
-MAX_FAILED_STEPS = 3
 STAGING_POLL_S = 0.01
 
 
-class LoRAEngine:
+class LoRAEngine(EngineReadAPI):
     def __init__(self, config: EngineConfig, model=None, tokenizer=None):
         self.config = config
         if model is None:
@@ -57,18 +55,21 @@ class LoRAEngine:
         mc = model.config
         self.shape = LoRAModelShape.from_hf_config(mc, config.target_modules)
         max_model_len = config.max_model_len or min(getattr(mc, "max_position_embeddings", 2048), 2048)
+        self._lock = threading.Condition()  # scheduler queues, stop flag
         self.store = AdapterStore(self.shape, config.max_lora_rank, dtype=self.dtype,
                                   host_cache_bytes=config.host_cache_bytes,
                                   allowed_roots=config.adapter_roots, hub_orgs=config.hub_orgs,
                                   object_store_prefixes=config.object_store_prefixes,
                                   adapter_cache_dir=config.adapter_cache_dir)
-        self.pool = LoRAMemoryPool(self.shape, config.max_loras_per_batch, config.max_lora_rank, self._slot_weights,
+        self.staging = AdapterStaging(self.store, on_failure=lambda uid, exc: self._cancel(uid, exc),
+                                      on_done=self._wake)
+        self.pool = LoRAMemoryPool(self.shape, config.max_loras_per_batch, config.max_lora_rank, self.staging.slot_weights,
                                    eviction_policy=config.eviction_policy, device=self.device, dtype=self.dtype,
                                    replica_id=config.replica_id)
         self.context = LoRABatchContext()
         attach_lora(model, self.pool, self.context)
-        self.cache = self._make_kv_cache(model, max_model_len)
-        self.max_model_len = self._fit_max_model_len(max_model_len)
+        self.cache = build_kv_cache(model, config, self.device, self.dtype, max_model_len)
+        self.max_model_len = fit_max_model_len(self.cache, max_model_len, configured=config.max_model_len is not None)
         self.runner = ModelRunner(model, self.pool, self.cache, self.context)
         self.blocks = BlockManager(self.cache)
         self.scheduler: Scheduler[Sequence] = Scheduler(
@@ -77,11 +78,8 @@ class LoRAEngine:
         self.eos_ids = eos_token_ids(tokenizer, model)
         self.tokens_generated = 0
         self.steps = 0
-        self._staging: set[str] = set()  # uids being read back into the host tier off the engine thread
-        self._handover: dict[str, object] = {}  # uid -> weights read for a slot the host tier cannot keep
         self.cancelled = 0            # sequences dropped because their caller went away
         self.failed_steps_in_row = 0  # consecutive failed steps; MAX_FAILED_STEPS makes the replica unhealthy
-        self._lock = threading.Condition()  # scheduler queues, stop flag
         self._step_lock = threading.Lock()  # one step, or one unload, at a time
         self.registry = AdapterRegistry()
         self.adapter_manager = AdapterManager(self.store, self.pool, self.registry, step_lock=self._step_lock,
@@ -90,34 +88,6 @@ class LoRAEngine:
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name=f"lorafleet-engine-{config.replica_id}", daemon=True)
         self._thread.start()
-
-    def _make_kv_cache(self, model, max_model_len: int) -> PagedKVCache:
-        """The paged KV cache sized by ``kv_cache_bytes`` (see ``kv_budget_bytes`` for the default)."""
-        attn = model.model.layers[0].self_attn
-        layers, head_dim = len(model.model.layers), attn.head_dim
-        kv_heads = attn.k_proj.weight.shape[0] // head_dim
-        budget = kv_budget_bytes(self.config.kv_cache_bytes, device=self.device,
-                                 bytes_per_token=kv_bytes_per_token(layers, kv_heads, head_dim, self.dtype),
-                                 max_batch_size=self.config.max_batch_size, max_model_len=max_model_len,
-                                 memory_fraction=self.config.kv_cache_memory_fraction)
-        backend = choose_backend(self.device, self.dtype)
-        return PagedKVCache.from_budget(budget, layers, self.config.kv_block_size, kv_heads, head_dim,
-                                        device=self.device, dtype=self.dtype,
-                                        prefix_caching=self.config.enable_prefix_caching,
-                                        layout=KV_LAYOUT[backend])
-
-    def _fit_max_model_len(self, max_model_len: int) -> int:
-        """A request must fit the cache alone (so the oldest request can always run): clamp the
-        default context window to the cache, refuse a configured one it cannot hold."""
-        capacity = self.cache.capacity_tokens
-        if max_model_len <= capacity:
-            return max_model_len
-        if self.config.max_model_len is not None:
-            raise ValueError(f"max_model_len={max_model_len} does not fit the KV cache ({self.cache.num_blocks} "
-                             f"blocks of {self.cache.block_size} tokens = {capacity} tokens): raise kv_cache_bytes "
-                             f"or lower max_model_len")
-        log.warning("context window clamped to the KV cache's %d tokens (the model allows %d)", capacity, max_model_len)
-        return capacity
 
     # ------------------------------------------------------------------ adapters
 
@@ -164,7 +134,7 @@ class LoRAEngine:
     def submit(self, request: GenerateRequest, sink: Callable[[SinkItem], None]) -> Sequence:
         uid, ids = self.inputs.process(request)
         if uid is not None and not self.pool.is_resident(uid):
-            self._stage(uid)  # a file read, if the host tier dropped it: here, never on the engine thread
+            self.staging.stage(uid)  # a file read, if the host tier dropped it: here, never on the engine thread
         seq = Sequence(request, uid, ids, IncrementalDetokenizer(self.tokenizer, request.stop_strings), sink,
                        self.device)
         with self._lock:
@@ -207,68 +177,6 @@ class LoRAEngine:
         """For scripts and benchmarks without an event loop."""
         return callers.blocking(self.submit, request, timeout_s)
 
-    # ------------------------------------------------------------------ what a replica reports
-
-    def current_uid(self, name: str) -> Optional[str]:
-        return self.registry.current_uid(name)
-
-    def is_resident(self, uid: str) -> bool:
-        return self.pool.is_resident(uid)
-
-    def host_cached(self, uid: str) -> bool:
-        return uid in self.store.host_cache
-
-    def host_cached_uids(self) -> list[str]:
-        return self.store.host_cache.uids()
-
-    def pinned_uids(self) -> frozenset[str]:
-        return frozenset(self.pool.pinned)
-
-    def pool_snapshot(self) -> PoolSnapshot:
-        return self.pool.snapshot()
-
-    def subscribe_pool_events(self, listener: EventListener) -> None:
-        """``listener`` gets every pool event, in order, on the thread that caused it: keep it quick."""
-        self.pool.subscribe(listener)
-
-    def pool_metrics_sources(self) -> tuple[LoRAMemoryPool, HostAdapterCache]:
-        """What metrics exporters read (counters, recent load times, host-tier stats); not for changing."""
-        return self.pool, self.store.host_cache
-
-    def queue_len(self) -> int:
-        """Requests waiting or running."""
-        with self._lock:
-            return len(self.scheduler)
-
-    def healthy(self) -> bool:
-        """The step thread is alive and steps are not failing one after another.
-
-        A failed step fails its batch, not the thread; but repeated failures mean the device or
-        model is broken (on CUDA an illegal access poisons the context), so Serve should replace us.
-        """
-        return self._thread.is_alive() and self.failed_steps_in_row < MAX_FAILED_STEPS
-
-    def stats(self) -> dict:
-        with self._lock:
-            return {
-                "waiting": len(self.scheduler.waiting),
-                "running": len(self.scheduler.running),
-                "tokens_generated": self.tokens_generated,
-                "steps": self.steps,
-                "cancelled": self.cancelled,
-                "adapters": self.registry.names(),
-                "host_cached": self.store.host_cache.uids(),
-                "host_cache_bytes": self.store.host_cache.stats.bytes_used,
-                "kv_blocks": self.cache.num_blocks,
-                "kv_block_size": self.cache.block_size,
-                "kv_blocks_used": self.cache.allocator.num_used,
-                "kv_bytes_total": self.cache.total_bytes,
-                "kv_bytes_peak": self.cache.peak_blocks_used * self.cache.bytes_per_block,
-                "kv_prefix_hit_blocks": self.cache.allocator.prefix_hits,
-                "max_running": self.scheduler.max_running,
-                "preemptions": self.scheduler.preemptions,
-            }
-
     def apply_settings(self, settings: dict) -> None:
         """Change settings without a restart; all are checked before any is applied."""
         apply_live_settings(settings, config=self.config, pool=self.pool, scheduler=self.scheduler,
@@ -292,7 +200,7 @@ class LoRAEngine:
                     self._lock.wait()
                 if self._stopped:
                     return
-                if self._staging and not self.scheduler.running:
+                if self.staging.busy and not self.scheduler.running:
                     self._lock.wait(STAGING_POLL_S)  # the head waits for a file read: do not spin
             try:
                 with self._step_lock:
@@ -359,7 +267,7 @@ class LoRAEngine:
                             admitted.remove(seq)
                         self.scheduler.requeue_front(culprits)
                         if isinstance(exc, AdapterNotStagedError):
-                            self._stage_in_background(exc.uid)
+                            self.staging.stage_in_background(exc.uid)
                     else:  # the adapter itself failed to load: fail those requests alone
                         for seq in culprits:
                             self._finish(seq, exc)
@@ -368,38 +276,9 @@ class LoRAEngine:
                     self.pool.release_batch()
                     return None
 
-    def _stage(self, uid: str) -> None:
-        """Make ``uid``'s weights ready for a slot load without a file read on the engine thread.
-
-        Normally that is the host tier; an adapter the host tier cannot keep (a budget of 0, or
-        smaller than the adapter) is handed over once, directly, to the next slot load.
-        """
-        weights = self.store.fetch(uid)
-        if not self.store.is_staged(uid):
-            self._handover[uid] = weights
-
-    def _slot_weights(self, uid: str):
-        """The pool's weight source: a memory copy only (the host tier, or a handed-over read)."""
-        handed = self._handover.pop(uid, None)
-        return handed if handed is not None else self.store.fetch_staged(uid)
-
-    def _stage_in_background(self, uid: str) -> None:
-        """Read ``uid`` back into the host tier on a thread; its requests wait at the head meanwhile."""
-        if uid in self._staging:
-            return
-        self._staging.add(uid)
-
-        def stage() -> None:
-            try:
-                self._stage(uid)
-            except LoRAFleetError as exc:  # unregistered meanwhile, or unreadable: its requests fail alone
-                self._cancel(uid, exc)
-            finally:
-                with self._lock:
-                    self._staging.discard(uid)
-                    self._lock.notify_all()
-
-        threading.Thread(target=stage, name=f"lorafleet-stage-{uid}", daemon=True).start()
+    def _wake(self) -> None:
+        with self._lock:
+            self._lock.notify_all()
 
     def _finish(self, seq: Sequence, outcome) -> None:
         """Called with ``_lock`` held: free the KV blocks, settle the caller, wake drains."""

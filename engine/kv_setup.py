@@ -1,0 +1,43 @@
+"""Sizing the paged KV cache for a model, and the context window it can serve."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .attention import KV_LAYOUT, choose_backend
+from .config import EngineConfig
+from .kv_cache import PagedKVCache, kv_budget_bytes, kv_bytes_per_token
+
+log = logging.getLogger(__name__)
+
+
+def build_kv_cache(model, config: EngineConfig, device: torch.device, dtype: torch.dtype,
+                   max_model_len: int) -> PagedKVCache:
+    """The paged KV cache sized by ``kv_cache_bytes`` (see ``kv_budget_bytes`` for the default)."""
+    attn = model.model.layers[0].self_attn
+    layers, head_dim = len(model.model.layers), attn.head_dim
+    kv_heads = attn.k_proj.weight.shape[0] // head_dim
+    budget = kv_budget_bytes(config.kv_cache_bytes, device=device,
+                             bytes_per_token=kv_bytes_per_token(layers, kv_heads, head_dim, dtype),
+                             max_batch_size=config.max_batch_size, max_model_len=max_model_len,
+                             memory_fraction=config.kv_cache_memory_fraction)
+    backend = choose_backend(device, dtype)
+    return PagedKVCache.from_budget(budget, layers, config.kv_block_size, kv_heads, head_dim, device=device,
+                                    dtype=dtype, prefix_caching=config.enable_prefix_caching,
+                                    layout=KV_LAYOUT[backend])
+
+
+def fit_max_model_len(cache: PagedKVCache, max_model_len: int, configured: bool) -> int:
+    """A request must fit the cache alone (so the oldest request can always run): clamp the
+    default context window to the cache, refuse a configured one it cannot hold."""
+    capacity = cache.capacity_tokens
+    if max_model_len <= capacity:
+        return max_model_len
+    if configured:
+        raise ValueError(f"max_model_len={max_model_len} does not fit the KV cache ({cache.num_blocks} "
+                         f"blocks of {cache.block_size} tokens = {capacity} tokens): raise kv_cache_bytes "
+                         f"or lower max_model_len")
+    log.warning("context window clamped to the KV cache's %d tokens (the model allows %d)", capacity, max_model_len)
+    return capacity

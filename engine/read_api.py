@@ -1,0 +1,78 @@
+"""What a replica reads from its engine: residency, host tier, pins, queue, health, stats.
+
+A mixin of ``LoRAEngine``, so the worker (and metrics) use this narrow API instead of
+reaching into the pool, the store or the step thread.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from pool.events import PoolSnapshot
+from pool.host_cache import HostAdapterCache
+from pool.memory_pool import EventListener, LoRAMemoryPool
+
+MAX_FAILED_STEPS = 3  # failed steps in a row that make the engine unhealthy
+
+
+class EngineReadAPI:
+    def current_uid(self, name: str) -> Optional[str]:
+        return self.registry.current_uid(name)
+
+    def is_resident(self, uid: str) -> bool:
+        return self.pool.is_resident(uid)
+
+    def host_cached(self, uid: str) -> bool:
+        return uid in self.store.host_cache
+
+    def host_cached_uids(self) -> list[str]:
+        return self.store.host_cache.uids()
+
+    def pinned_uids(self) -> frozenset[str]:
+        return frozenset(self.pool.pinned)
+
+    def pool_snapshot(self) -> PoolSnapshot:
+        return self.pool.snapshot()
+
+    def subscribe_pool_events(self, listener: EventListener) -> None:
+        """``listener`` gets every pool event, in order, on the thread that caused it: keep it quick."""
+        self.pool.subscribe(listener)
+
+    def pool_metrics_sources(self) -> tuple[LoRAMemoryPool, HostAdapterCache]:
+        """What metrics exporters read (counters, recent load times, host-tier stats); not for changing."""
+        return self.pool, self.store.host_cache
+
+    def queue_len(self) -> int:
+        """Requests waiting or running."""
+        with self._lock:
+            return len(self.scheduler)
+
+    def healthy(self) -> bool:
+        """The step thread is alive and steps are not failing one after another.
+
+        A failed step fails its batch, not the thread; but repeated failures mean the device or
+        model is broken (on CUDA an illegal access poisons the context), so Serve should replace us.
+        """
+        return self._thread.is_alive() and self.failed_steps_in_row < MAX_FAILED_STEPS
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {
+                "waiting": len(self.scheduler.waiting),
+                "running": len(self.scheduler.running),
+                "tokens_generated": self.tokens_generated,
+                "steps": self.steps,
+                "cancelled": self.cancelled,
+                "adapters": self.registry.names(),
+                "host_cached": self.store.host_cache.uids(),
+                "host_cache_bytes": self.store.host_cache.stats.bytes_used,
+                "kv_blocks": self.cache.num_blocks,
+                "kv_block_size": self.cache.block_size,
+                "kv_blocks_used": self.cache.allocator.num_used,
+                "kv_bytes_total": self.cache.total_bytes,
+                "kv_bytes_peak": self.cache.peak_blocks_used * self.cache.bytes_per_block,
+                "kv_prefix_hit_blocks": self.cache.allocator.prefix_hits,
+                "max_running": self.scheduler.max_running,
+                "preemptions": self.scheduler.preemptions,
+            }
+
