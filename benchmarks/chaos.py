@@ -136,7 +136,8 @@ async def isolated_drop(client, replicas: list[str], adapter: str, max_tokens: i
     before_cancel, after_cancel = bracket_cancel(samples, before[replica]["cancelled"])
     return IsolatedDrop(tokens_received=outcome.tokens_received, tokens_start=before[replica]["tokens_generated"],
                         tokens_before_cancel=before_cancel, tokens_after_cancel=after_cancel,
-                        tokens_end=after[replica]["tokens_generated"])
+                        tokens_end=after[replica]["tokens_generated"],
+                        engine_steps_after_cancel=after[replica].get("max_steps_after_cancel"))
 
 
 # ---------------------------------------------------------------------------- kills

@@ -79,6 +79,7 @@ class LoRAEngine(EngineReadAPI):
         self.tokens_generated = 0
         self.steps = 0
         self.cancelled = 0            # sequences dropped because their caller went away
+        self.max_steps_after_cancel = 0  # the most steps any sequence ran after its cancel (the goal: <= 1)
         self.failed_steps_in_row = 0  # consecutive failed steps; MAX_FAILED_STEPS makes the replica unhealthy
         self._step_lock = threading.Lock()  # one step, or one unload, at a time
         self.registry = AdapterRegistry()
@@ -126,7 +127,7 @@ class LoRAEngine(EngineReadAPI):
                 self._end(seq, error)
             for seq in self.scheduler.running:
                 if seq.uid == uid:
-                    seq.cancel_reason = error
+                    seq.cancel_reason, seq.tokens_at_cancel = error, len(seq.output_ids)
             self._lock.notify_all()
 
     # ------------------------------------------------------------------ requests
@@ -159,7 +160,7 @@ class LoRAEngine(EngineReadAPI):
             if self.scheduler.drop_waiting(lambda s: s is seq):
                 self._end(seq, error)
             elif seq in self.scheduler.running:
-                seq.cancel_reason = error
+                seq.cancel_reason, seq.tokens_at_cancel = error, len(seq.output_ids)
             else:
                 return  # already finished
             self.cancelled += 1
@@ -216,6 +217,9 @@ class LoRAEngine(EngineReadAPI):
     def _step(self) -> None:
         with self._lock:
             for seq in [s for s in self.scheduler.running if s.cancel_reason is not None]:
+                # a cancel that landed during the last forward cost that one step: never more
+                self.max_steps_after_cancel = max(self.max_steps_after_cancel,
+                                                  len(seq.output_ids) - seq.tokens_at_cancel)
                 self._finish(seq, seq.cancel_reason)
             admitted, _ = self.scheduler.schedule()
         running = list(self.scheduler.running)

@@ -63,6 +63,7 @@ class EngineReadAPI:
                 "tokens_generated": self.tokens_generated,
                 "steps": self.steps,
                 "cancelled": self.cancelled,
+                "max_steps_after_cancel": self.max_steps_after_cancel,
                 "adapters": self.registry.names(),
                 "host_cached": self.store.host_cache.uids(),
                 "host_cache_bytes": self.store.host_cache.stats.bytes_used,

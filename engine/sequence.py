@@ -27,6 +27,7 @@ class Sequence:
         self.arrival = -1                      # order of arrival, set by the scheduler: FIFO and preemption
         self.blocked_steps = 0
         self.cancel_reason: Optional[BaseException] = None
+        self.tokens_at_cancel = 0              # output tokens when it was cancelled (steps spent after: the rest)
         self.generator: Optional[torch.Generator] = None
         if request.temperature > 0:
             # sampling runs on the logits' device, so the generator lives there too

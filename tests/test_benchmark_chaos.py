@@ -132,3 +132,14 @@ def test_traffic_mix_drops_only_streams_about_as_often_as_asked():
     assert all(s.drop_after is None for s in specs if not s.stream)
     assert 0.25 < sum(s.drop_after is not None for s in streams) / len(streams) < 0.35
     assert all(1 <= s.drop_after <= max(1, s.max_tokens // 2) for s in streams if s.drop_after is not None)
+
+
+def test_orphan_steps_prefer_the_engines_exact_count_over_the_bound():
+    from benchmarks.chaos_outcomes import IsolatedDrop, orphan_steps
+
+    bounded = IsolatedDrop(tokens_received=1, tokens_start=0, tokens_before_cancel=1, tokens_after_cancel=2,
+                           tokens_end=4)
+    counted = IsolatedDrop(tokens_received=1, tokens_start=0, tokens_before_cancel=1, tokens_after_cancel=2,
+                           tokens_end=4, engine_steps_after_cancel=1)
+    assert orphan_steps([bounded]) == bounded.orphan_steps_at_most == 3
+    assert orphan_steps([bounded, counted]) == 1

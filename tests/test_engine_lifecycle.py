@@ -49,6 +49,7 @@ def test_a_cancelled_stream_leaves_the_engine_within_a_step(engine):
     wait_until(lambda: engine.queue_len() == 0, 30, "cancelled sequences to leave the engine")
     assert engine.steps - steps_at_cancel <= 2  # gone at the next step boundary, not after 200 tokens
     assert engine.stats()["cancelled"] - before == 4
+    assert engine.stats()["max_steps_after_cancel"] <= 1
     assert engine.cache.allocator.num_used == 0  # their KV blocks are free
 
 
