@@ -14,7 +14,13 @@ vs disk, by rank), prefill and decode per token, ``max_batch`` running requests 
 plain consistent hashing, random. Workloads from ``benchmarks.traces``: S-LoRA power-law
 popularity, gamma arrivals, ranks 8-64. Metrics over the requests after a warm-up.
 
-    python -m benchmarks.cluster_sim [--quick] [--json PATH] [--plot PATH] [--workers N]
+With ``--live-json`` (a ``routing_live --json`` run) it also simulates that run's cells
+with ``benchmarks.sim.cpu_fleet`` (the live setup: closed-loop clients, engines and the
+control plane sharing the machine's cores, each router's measured CPU per request
+charged) and checks that the simulation ranks the variants as the live run did
+(``sim_reproduces_live_ranking``): only then should it be used to tune anything.
+
+    python -m benchmarks.cluster_sim [--quick] [--json PATH] [--plot PATH] [--workers N] [--live-json PATH]
 """
 
 from __future__ import annotations
@@ -256,12 +262,39 @@ def plot(rows: Sequence[dict], path) -> None:
     plt.close(fig)
 
 
+def live_check(path: str) -> tuple[list[dict], dict]:
+    """Simulate a routing_live run's cells (``benchmarks.sim.live_check``); the ranking goal."""
+    import json
+
+    from .sim.cpu_fleet import CpuFleetConfig, measure_engine_steps
+    from .sim.live_check import ranking_agreement, simulate_live
+
+    live = json.loads(open(path).read())
+    step_base, step_per_seq = measure_engine_steps()
+    rows = simulate_live(live, step_base, step_per_seq)
+    print()
+    common.print_table(rows, ["setting", "cost", "concurrency", "variant", "live_req_per_s", "sim_req_per_s",
+                              "live_p50_ms", "sim_p50_ms", "live_p99_ms", "sim_p99_ms", "sim_loads_per_1k",
+                              "engine_share"], floatfmt=".1f",
+                       title=f"== the live fleet in simulation ({path}): engine step {1e3 * step_base:.2f} ms + "
+                             f"{1e3 * step_per_seq:.3f} ms per running request (measured here), each variant's "
+                             f"control-plane CPU per request from the run, on {CpuFleetConfig().cores:g} shared cores")
+    agreed, ordered, wrong = ranking_agreement(rows)
+    for line in wrong:
+        print(f"  disagrees: {line}")
+    share = agreed / ordered if ordered else None
+    return rows, common.goal("sim_reproduces_live_ranking", None if share is None else round(share, 3),
+                             "== 1.0 (share of live-ordered pairs)", None if share is None else agreed == ordered)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = common.base_parser(__doc__.split("\n\n")[0], plot=True)
     parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1),
                         help="processes for the simulations (default: min(2, CPUs))")
     parser.add_argument("--per-replica", type=int, help="requests per replica (default 150; 200 with --quick)")
     parser.add_argument("--skip-overhead", action="store_true", help="do not time the routing decision")
+    parser.add_argument("--live-json", metavar="PATH",
+                        help="a routing_live --json run: simulate its cells and check the ranking matches")
     args = parser.parse_args(argv)
     plan = make_plan(args.quick, args.seed, args.per_replica)
     started = time.perf_counter()
@@ -316,7 +349,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         common.print_table(sorted(base + tune, key=lambda r: (r["load"], r["epsilon"])) + mux,
                            ["router", "load", "epsilon", "loads", "hit_ratio", "ttft_p99", "e2e_p99", "imbalance",
                             "load_seconds"], floatfmt=".3g",
-                           title="== tuning: affinity's load_bound_epsilon (RoutingConfig) 0.25 vs 1.0, multiplex for reference")
+                           title="== tuning: affinity's load_bound_epsilon (RoutingConfig.tie_epsilon) 0.25 vs 1.0, multiplex for reference")
 
     if overhead:
         print()
@@ -329,23 +362,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     table, counts = wins_table(rows)
     skewed = [g for g in comparison if g["skewed"]]
     fails = [g for g in skewed if not (g["load_cut"] >= 0.5 and g["ttft_p99_affinity"] <= g["ttft_p99_least_loaded"])]
-    goals = {"loads_vs_least_loaded": not fails and bool(skewed)}
-    print()
-    print(f"GOAL >=50% fewer adapter loads than least-loaded under skew (alpha <= 0.3) at equal or better p99 TTFT: "
-          f"{'PASS' if goals['loads_vs_least_loaded'] else 'FAIL'} "
-          f"(load cut {min(g['load_cut'] for g in skewed) * 100:.0f}%-{max(g['load_cut'] for g in skewed) * 100:.0f}% "
-          f"over {len(skewed)} skewed settings" + (f"; failing: {[g['setting'] for g in fails]}" if fails else "") + ")")
+    worst_cut = min((g["load_cut"] for g in skewed), default=None)
+    goals = [common.goal("sim_loads_vs_least_loaded_under_skew", None if worst_cut is None else round(worst_cut, 3),
+                         ">= 0.5 fewer, p99 TTFT no worse", (not fails) if skewed else None)]
     worse_e2e = [g["setting"] for g in skewed if g["e2e_p99_affinity"] > g["e2e_p99_least_loaded"]]
-    print(f"     (p99 end-to-end latency also equal or better in {len(skewed) - len(worse_e2e)}/{len(skewed)}"
-          + (f"; worse in {worse_e2e}" if worse_e2e else "") + ")")
+    print(f"\naffinity vs least-loaded under skew: load cut {100 * (worst_cut or 0):.0f}% at worst over {len(skewed)} "
+          f"settings" + (f"; failing: {[g['setting'] for g in fails]}" if fails else "")
+          + f"; p99 end-to-end also no worse in {len(skewed) - len(worse_e2e)}/{len(skewed)}"
+          + (f" (worse in {worse_e2e})" if worse_e2e else ""))
     big = [r for r in overhead if r["replicas"] == 1024 and r["kind"] == "policy"]
-    if big:
-        goals["decision_median_1024"] = big[0]["median_us"] <= 50
-        print(f"GOAL decision <= 50 us median at 1024 replicas (routing.policy.choose_replicas): "
-              f"{'PASS' if goals['decision_median_1024'] else 'FAIL'} ({big[0]['median_us']:.1f} us median, "
-              f"{big[0]['p99_us']:.1f} us p99)")
+    goals.append(common.goal("sim_decision_median_us_1024_replicas", round(big[0]["median_us"], 1) if big else None,
+                             "<= 50", big[0]["median_us"] <= 50 if big else None))
+    live_rows: list[dict] = []
+    if args.live_json:
+        live_rows, agreement = live_check(args.live_json)
+        goals.append(agreement)
+    else:
+        goals.append(common.goal("sim_reproduces_live_ranking", None, "every live-ordered pair", None))
     md = markdown_wins(table, counts, comparison)
-    print("GOAL table of where each router wins (for README): PASS (below)")
+    print()
+    common.print_goals(goals)
     print()
     print("### Where each router wins (simulated fleet, `python -m benchmarks.cluster_sim" + (" --quick" if args.quick else "") + "`)")
     print()
@@ -357,7 +393,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.json:
         common.write_json(args.json, "cluster_sim", rows, settings,
                           {"overhead": overhead, "stale": st, "wins": table, "win_counts": counts,
-                           "affinity_vs_least_loaded": comparison, "goals": goals, "readme_table": md})
+                           "affinity_vs_least_loaded": comparison, "readme_table": md, "live_check": live_rows},
+                          goals=goals)
     png = common.plot_path(args)
     if png:
         plot(rows, png)

@@ -1,55 +1,53 @@
-"""Adapter loads and latency on a live local Ray Serve fleet: this router vs Serve's own options.
+"""Latency, throughput, loads and control-plane CPU on a live local Ray Serve fleet: this router vs Serve's own.
 
-Why: the point of ``AdapterAffinityRouter`` is that a request goes where its adapter
-already sits, so replicas stop reloading adapters. This measures it end to end (real
-Serve handles, real replicas, the demo model) against the two things a Ray Serve user
-would otherwise deploy, with the same engine, the same pool and the same slot count:
+Why: users feel latency and throughput, and a serving engineer compares a custom router
+against what Ray Serve already ships before adopting it. Three variants, the same engine,
+pool, slot count and trace, deployed side by side and measured in turns (each row of one
+variant right after the same row of the others, so drift on a shared machine hits all):
 
 - ``affinity``: the product as it ships (``deployments.app.build_fleet``), requests routed
-  by ``routing.ray_router:AdapterAffinityRouter``;
-- ``multiplexed``: Ray Serve's built-in model multiplexing (``@serve.multiplexed`` with
-  ``max_num_models_per_replica`` = slots, requests sent with ``multiplexed_model_id``;
+  by ``routing.ray_router:AdapterAffinityRouter`` (expected completion time);
+- ``multiplexed``: Ray Serve's model multiplexing (``@serve.multiplexed`` with
+  ``max_num_models_per_replica`` = slots, ``multiplexed_model_id`` per request;
   ``benchmarks/live/multiplexed_worker.py``);
-- ``pow2``: the same ``LoRAWorker`` deployment with Serve's default request router
-  (power of two choices, no adapter awareness).
+- ``pow2``: the product's workers behind Serve's default router (power of two choices).
 
-Workload: one trace per setting, adapters drawn like S-LoRA (``power(alpha)``), short
-prompts and 8-16 output tokens, sent closed-loop at concurrency 1, 8 and 64 from the
-driver through DeploymentHandles (no HTTP; every variant gets the same single hop).
-"fits": the adapters fit the fleet's slots (the ideal is no load after warm-up);
-"skew": more adapters than the fleet's slots. Each (variant, setting) gets a warm-up pass
-first, excluded from the counts. Loads come from every replica's pool counters.
+Axes: ``setting`` -- ``fits`` (the adapters fit the fleet's slots) and ``skew`` (more
+adapters than slots, S-LoRA ``power(alpha)`` popularity); ``cost`` -- ``cheap`` (the demo's
+own loads, ~0.1 ms) and ``expensive`` (each load costs what a Llama-3-8B rank-16 adapter
+costs on a GPU host: a 4.8 ms host-tier copy, an 88 ms disk read; injected in the
+workers' load path by a benchmark-only subclass, ``benchmarks/live/load_cost.py``);
+``concurrency`` -- closed-loop clients; ``routers`` -- 1 or 3 client processes, each with
+its own router (Serve runs one per proxy and ingress replica).
 
-Columns: ``loads_per_1k`` = adapter slot loads (every replica's pool ``counters.loads``) per
-1000 measured requests; ``evictions_per_1k`` counts slots freed for another adapter (pool
-evictions, or Serve's LRU unloads for ``multiplexed``); p50/p99 are client-side (send to
-result, queueing in the driver's router included); ``per_replica`` = requests served by each
-replica (``GenerateResult.replica_id``); ``spill``/``full_spill`` = the driver-side
-router's decision counts (``affinity`` only). A ``multiplexed`` load is a full
-registration (read + validate), the others reload from the host tier; each counts as one.
+Columns: loads per 1000 measured requests (every replica's pool loads; a
+``multiplexed`` load is a full registration), client-side p50/p99 and req/s, and CPU
+milliseconds per request of the processes involved: the clients (the processes hosting
+the routers), the directory, the node's metrics agent and the workers. Warm-up passes
+are excluded.
 
-Goals (from the issue): loads >= 5x fewer than ``multiplexed`` when the working set fits
-(N/A when neither loaded); >= 50% fewer than ``pow2`` under skew; p99 within 10% of
-``pow2`` or better. ``--quick``: 150 requests per row instead of 600 (same settings and
-concurrency levels), about 1.5 minutes; the full run takes about 4.
+Goals (JSON ``goals``, over every setting, cost and concurrency of the run):
+``live_throughput_vs_best_peer`` >= 1.0, ``live_p50_vs_best_peer`` and
+``live_p99_vs_best_peer`` <= 1.05, ``live_loads_vs_multiplexed`` <= 0.33 (where
+multiplexing loads at all), ``live_expensive_p99_vs_best_peer`` <= 0.8,
+``router_cpu_per_request_vs_default`` <= 1.1 (affinity's clients / pow2's, the same
+worker and trace), ``live_multi_router_loads_ratio`` <= 1.2 (3 routers / 1).
 
-    python -m benchmarks.routing_live [--quick] [--json PATH] [--replicas N] [--cpus N]
+    python -m benchmarks.routing_live [--quick] [--json PATH] [--plot PATH]
 
-The benchmark starts its own local Ray cluster (``address="local"``) with Serve's HTTP
-proxy disabled, so it can run beside another cluster on the same machine.
+``--quick``: skew only, concurrency 1 and 64, 60 requests per row at concurrency 1 and
+3 per client slot above (about two minutes on a quiet machine). The benchmark starts
+its own local Ray cluster with Serve's HTTP proxy disabled.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-
-import asyncio
 import logging
 import math
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Optional
 
 import numpy as np
 
@@ -58,8 +56,11 @@ from .traces import Popularity, make_trace
 
 APP_PREFIX = "routing-live"
 VARIANTS = ("affinity", "multiplexed", "pow2")
+PEERS = ("multiplexed", "pow2")
 CONCURRENCY = (1, 8, 64)
+COSTS = ("cheap", "expensive")
 LETTERS = np.array(list("abcdefghijklmnopqrstuvwxyz     "))
+MULTI_ROUTERS = 3
 
 
 @dataclass(frozen=True)
@@ -69,28 +70,27 @@ class Setting:
     alpha: float
 
 
-@dataclass(frozen=True)
-class Request:
-    adapter: str
-    prompt: str
-    max_tokens: int
-
-
 def settings_for(slots_total: int, args) -> list[Setting]:
     fits = min(args.fits_adapters, slots_total)
     return [Setting("fits", fits, args.alpha), Setting("skew", args.skew_adapters, args.alpha)]
 
 
-def build_requests(setting: Setting, n: int, seed: int) -> list[Request]:
-    """S-LoRA-style adapters (``power(alpha)``; id 0 hottest), 8-32 character prompts, 8-16 new tokens."""
+def build_requests(setting: Setting, n: int, seed: int) -> list[tuple[str, str, int]]:
+    """``(adapter, prompt, max_tokens)``: S-LoRA ``power(alpha)`` adapters (id 0 hottest), 8-32
+    character prompts, 8-16 new tokens."""
     trace = make_trace(n, setting.num_adapters, Popularity("power", setting.alpha), seed=seed,
                        input_range=(8, 33), output_range=(8, 17))
     rng = np.random.default_rng(seed + 7919)
     requests = []
     for adapter, n_in, n_out in zip(trace.adapters.tolist(), trace.input_lens.tolist(), trace.output_lens.tolist()):
         prompt = "".join(rng.choice(LETTERS, size=int(n_in)).tolist()).strip() or "hello"
-        requests.append(Request(f"demo-{adapter}", prompt, int(n_out)))
+        requests.append((f"demo-{adapter}", prompt, int(n_out)))
     return requests
+
+
+def requests_per_row(concurrency: int, args) -> int:
+    """Enough requests that every closed-loop client sends several."""
+    return max(args.requests or (60 if args.quick else 600), 3 * concurrency)
 
 
 # ---------------------------------------------------------------------------- variants
@@ -105,115 +105,84 @@ def app_args(num_adapters: int, args):
                    adapters=[AdapterSpec(name=f"demo-{i}", source=f"demo:demo-{i}") for i in range(num_adapters)])
 
 
-class Variant(ABC):
-    """One deployed variant: how to send a request and how to read every replica's counters."""
+class Variant:
+    """One deployed variant: its app, its client processes (one router each) and its load counter."""
 
-    name: str
-    deployment: str
-
-    def __init__(self, args, num_adapters: int):
+    def __init__(self, name: str, args, num_adapters: int):
+        self.name = name
         self.args = args
         self.parsed = app_args(num_adapters, args)
-        self.replica_options = {"num_replicas": args.replicas, "ray_actor_options": {"num_cpus": 1}}
-        self.handle = None
-        # one app name per variant: the driver caches handles (and their routers) by deployment id,
-        # so reusing a name would route a later variant with an earlier variant's router
-        self.app = f"{APP_PREFIX}-{self.name}"
-
-    @abstractmethod
-    def application(self):
-        """The Serve application (graph) this variant deploys."""
-
-    def deploy(self) -> float:
-        from ray import serve
-
-        started = time.perf_counter()
-        serve.run(self.application(), name=self.app, route_prefix=None)
-        self.handle = serve.get_deployment_handle(self.deployment, app_name=self.app)
-        self.stats()  # every replica answers
-        return time.perf_counter() - started
-
-    def send(self, request: Request):
-        from engine.request import GenerateRequest
-
-        return self.handle.generate.remote(GenerateRequest(adapter=request.adapter, prompt=request.prompt,
-                                                           max_tokens=request.max_tokens, temperature=0.0))
-
-    def stats(self) -> dict[str, dict]:
-        """replica id -> pool snapshot (with ``counters``), for every replica."""
-        return sample_replicas(lambda: self.handle.pool_state.remote(), self.args.replicas)
-
-    def decisions(self) -> Counter:
-        return Counter()
-
-
-class AffinityVariant(Variant):
-    name, deployment = "affinity", "LoRAWorker"
-
-    def application(self):
-        from deployments.app import build_fleet
-
-        return build_fleet(self.parsed, dict(self.replica_options))
-
-    def stats(self) -> dict[str, dict]:
-        from ray import serve
-
-        from engine.request import ReplicaTarget
-
-        directory = serve.get_deployment_handle("AdapterDirectory", app_name=self.app)
-        deadline = time.monotonic() + 60
-        while True:
-            replicas = sorted(directory.view.remote().result()["replicas"])
-            if len(replicas) >= self.args.replicas or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-        if len(replicas) < self.args.replicas:
-            raise RuntimeError(f"only {len(replicas)} of {self.args.replicas} workers reported to the directory")
-        return {r: self.handle.pool_state.remote(ReplicaTarget(r)).result() for r in replicas}
-
-    def decisions(self) -> Counter:
-        """The driver's router's decision counts (affinity/placement/spill/full_spill), if reachable."""
-        try:
-            router = self.handle._router._asyncio_router._request_router
-            return Counter(router.decisions)
-        except AttributeError:
-            return Counter()
-
-
-class Pow2Variant(Variant):
-    name, deployment = "pow2", "LoRAWorker"
+        self.app = f"{APP_PREFIX}-{name}"
+        self.multiplexed = name == "multiplexed"
+        self.deployment = "MultiplexedLoRAWorker" if self.multiplexed else "LoRAWorker"
+        self.clients: list = []
 
     def application(self):
         from ray.serve.config import RequestRouterConfig
 
         from deployments.app import build_fleet
 
-        return build_fleet(self.parsed, {**self.replica_options, "request_router_config": RequestRouterConfig()})
-
-
-class MultiplexedVariant(Variant):
-    name, deployment = "multiplexed", "MultiplexedLoRAWorker"
-
-    def application(self):
+        from .live.load_cost import LoadCostLoRAWorker, LoadCostMultiplexedWorker
         from .live.multiplexed_worker import build_multiplexed
 
-        return build_multiplexed(self.parsed, dict(self.replica_options))
+        options = {"num_replicas": self.args.replicas, "ray_actor_options": {"num_cpus": 1}}
+        if self.multiplexed:
+            return build_multiplexed(self.parsed, {**options, "func_or_class": LoadCostMultiplexedWorker})
+        options["func_or_class"] = LoadCostLoRAWorker
+        if self.name == "pow2":
+            options["request_router_config"] = RequestRouterConfig()  # Serve's default router
+        return build_fleet(self.parsed, options)
 
-    def send(self, request: Request):
-        from engine.request import GenerateRequest
+    def deploy(self) -> float:
+        """Deploy the app and wait until every worker reports; returns seconds."""
+        from ray import serve
 
-        return self.handle.options(multiplexed_model_id=request.adapter).generate.remote(
-            GenerateRequest(adapter=request.adapter, prompt=request.prompt, max_tokens=request.max_tokens,
-                            temperature=0.0))
+        started = time.perf_counter()
+        serve.run(self.application(), name=self.app, route_prefix=None)
+        self.loads()
+        return time.perf_counter() - started
 
-    def stats(self) -> dict[str, dict]:
-        return sample_replicas(lambda: self.handle.stats.remote(), self.args.replicas)
+    def set_load_cost(self, cost) -> None:
+        """The injected load cost on every replica (``benchmarks/live/load_cost.py``), without a redeploy."""
+        from ray import serve
+
+        from engine.request import ReplicaTarget
+
+        handle = serve.get_deployment_handle(self.deployment, app_name=self.app)
+        if self.name == "affinity":  # our router delivers a ReplicaTarget to that replica
+            directory = serve.get_deployment_handle("AdapterDirectory", app_name=self.app)
+            for rid in directory.view.remote().result()["replicas"]:
+                handle.set_injected_load_cost.remote(ReplicaTarget(rid), cost.host_s, cost.disk_s).result()
+        else:  # Serve's routers pick at random: ask until every replica has answered
+            sample_replicas(lambda: handle.set_injected_load_cost.remote(None, cost.host_s, cost.disk_s),
+                            self.args.replicas)
+
+    def ensure_clients(self, count: int) -> list:
+        from .live.clients import LoadClient
+
+        while len(self.clients) < count:
+            self.clients.append(LoadClient.remote(self.app, self.deployment, self.multiplexed))
+        return self.clients[:count]
+
+    def loads(self) -> int:
+        """Slot loads over the whole fleet so far (the directory's event counts; the baseline's own counters)."""
+        from ray import serve
+
+        if self.multiplexed:
+            handle = serve.get_deployment_handle(self.deployment, app_name=self.app)
+            stats = sample_replicas(lambda: handle.stats.remote(), self.args.replicas)
+            return sum(s["counters"]["loads"] for s in stats.values())
+        directory = serve.get_deployment_handle("AdapterDirectory", app_name=self.app)
+        deadline = time.monotonic() + 60
+        while len(directory.view.remote().result()["replicas"]) < self.args.replicas:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.app}: not every worker reported to the directory within 60 s")
+            time.sleep(0.2)
+        counts = directory.adapter_counts.remote().result()
+        return sum(c.get("load", 0) for c in counts.values())
 
 
-VARIANT_CLASSES = {"affinity": AffinityVariant, "multiplexed": MultiplexedVariant, "pow2": Pow2Variant}
-
-
-def sample_replicas(call: Callable[[], Any], expected: int, timeout_s: float = 60.0) -> dict[str, dict]:
+def sample_replicas(call, expected: int, timeout_s: float = 60.0) -> dict[str, dict]:
     """Ask until every replica has answered once (for routers that ignore ``ReplicaTarget``)."""
     seen: dict[str, dict] = {}
     deadline = time.monotonic() + timeout_s
@@ -225,158 +194,206 @@ def sample_replicas(call: Callable[[], Any], expected: int, timeout_s: float = 6
     return seen
 
 
-def total(stats: dict[str, dict], key: str) -> float:
-    return sum(s.get(key, 0) for s in stats.values()) if key.startswith("mux_") \
-        else sum(s["counters"][key] for s in stats.values())
+# ---------------------------------------------------------------------------- one row
 
 
-# ---------------------------------------------------------------------------- driving
+def run_clients(clients: list, requests: list, concurrency: int) -> dict:
+    """Split the trace round-robin over the clients (their routers) and the concurrency over them too."""
+    import ray
+
+    from .live.clients import shares, split
+
+    parts = split(requests, len(clients))
+    results = ray.get([c.run.remote(p, s) for c, p, s in zip(clients, parts, shares(concurrency, len(clients)))])
+    return {"latencies": [x for r in results for x in r["latencies"]],
+            "replicas": [x for r in results for x in r["replicas"]],
+            "errors": [x for r in results for x in r["errors"]],
+            "wall_s": max(r["wall_s"] for r in results), "cpu_s": sum(r["cpu_s"] for r in results)}
 
 
-async def run_closed_loop(variant: Variant, requests: list[Request], concurrency: int):
-    """``concurrency`` clients, each sending its next request when the previous answer arrives."""
-    latencies = np.zeros(len(requests))
-    replicas: list[Optional[str]] = [None] * len(requests)
-    errors: list[str] = []
-    next_index = 0
+def measure_row(variant: Variant, meter, setting: Setting, cost: str, concurrency: int, routers: int,
+                requests: list) -> dict:
+    import ray
 
-    async def client():
-        nonlocal next_index
-        while next_index < len(requests):
-            i = next_index
-            next_index += 1
-            started = time.perf_counter()
-            try:
-                result = await variant.send(requests[i])
-                replicas[i] = result.replica_id
-            except Exception as exc:  # counted and reported, never silently dropped
-                errors.append(f"{type(exc).__name__}: {exc}"[:200])
-            latencies[i] = time.perf_counter() - started
-
-    started = time.perf_counter()
-    await asyncio.gather(*(client() for _ in range(concurrency)))
-    return latencies, replicas, errors, time.perf_counter() - started
-
-
-def measure(variant: Variant, setting: Setting, requests: list[Request], warmup: list[Request],
-            concurrencies: tuple[int, ...]) -> list[dict]:
-    rows = []
-    before = variant.stats()
-    _, _, warm_errors, warm_s = asyncio.run(run_closed_loop(variant, warmup, 8))
-    warm = variant.stats()
-    warm_loads = total(warm, "loads") - total(before, "loads")
-    for concurrency in concurrencies:
-        before, decisions_before = variant.stats(), variant.decisions()
-        latencies, replicas, errors, wall = asyncio.run(run_closed_loop(variant, requests, concurrency))
-        after, decisions = variant.stats(), variant.decisions() - decisions_before
-        n = len(requests)
-        loads = total(after, "loads") - total(before, "loads")
-        per_replica = Counter(r for r in replicas if r is not None)
-        ok = latencies[[r is not None for r in replicas]]
-        row = {
-            "setting": setting.name, "adapters": setting.num_adapters, "variant": variant.name,
-            "concurrency": concurrency, "requests": n,
-            "loads_per_1k": 1000.0 * loads / n,
-            # the multiplexed baseline frees slots by unloading (Serve's LRU), the others by evicting
-            "evictions_per_1k": 1000.0 * sum(total(after, k) - total(before, k) for k in ("evictions", "unloads")) / n,
-            "p50_ms": 1000.0 * float(np.percentile(ok, 50)) if len(ok) else math.nan,
-            "p99_ms": 1000.0 * float(np.percentile(ok, 99)) if len(ok) else math.nan,
-            "req_per_s": n / wall,
-            "per_replica": "/".join(str(c) for c in sorted(per_replica.values(), reverse=True)),
-            "errors": len(errors),
-            "spill": decisions.get("spill", 0) if variant.name == "affinity" else None,
-            "full_spill": decisions.get("full_spill", 0) if variant.name == "affinity" else None,
-            # JSON only
-            "loads": loads,
-            "warmup_requests": len(warmup), "warmup_loads": warm_loads,
-            "warmup_loads_per_1k": 1000.0 * warm_loads / max(1, len(warmup)), "warmup_errors": len(warm_errors),
-            "warmup_s": warm_s,
-            "load_seconds": total(after, "load_seconds") - total(before, "load_seconds"),
-            "decisions": dict(decisions),
-            "replica_requests": dict(per_replica),
-            "resident_after": {r: sorted(s["resident"]) for r, s in after.items()},
-            "error_samples": errors[:3],
-        }
-        if variant.name == "multiplexed":
-            row["mux_loads_per_1k"] = 1000.0 * (total(after, "mux_loads") - total(before, "mux_loads")) / n
-        rows.append(row)
-        print(f"  {setting.name:>4} {variant.name:>11} c={concurrency:<3} loads/1k={row['loads_per_1k']:7.1f} "
-              f"p50={row['p50_ms']:7.1f} ms p99={row['p99_ms']:7.1f} ms replicas={row['per_replica']} "
-              f"errors={len(errors)}", flush=True)
-    return rows
+    clients = variant.ensure_clients(routers)
+    decisions_before = [Counter(d) for d in ray.get([c.decisions.remote() for c in clients])]
+    loads_before = variant.loads()
+    meter.start()
+    result = run_clients(clients, requests, concurrency)
+    cpu = meter.stop()
+    loads = variant.loads() - loads_before
+    decisions = sum((Counter(d) - b for d, b in zip(ray.get([c.decisions.remote() for c in clients]),
+                                                      decisions_before)), Counter())
+    n = len(requests)
+    ok = np.array([lat for lat, rep in zip(result["latencies"], result["replicas"]) if rep is not None])
+    per_replica = Counter(r for r in result["replicas"] if r is not None)
+    per_request = lambda seconds: 1000.0 * seconds / n  # noqa: E731
+    row = {
+        "setting": setting.name, "cost": cost, "routers": routers, "variant": variant.name,
+        "concurrency": concurrency, "requests": n,
+        "loads_per_1k": 1000.0 * loads / n,
+        "p50_ms": 1000.0 * float(np.percentile(ok, 50)) if len(ok) else math.nan,
+        "p99_ms": 1000.0 * float(np.percentile(ok, 99)) if len(ok) else math.nan,
+        "req_per_s": n / result["wall_s"],
+        "router_cpu_ms": per_request(result["cpu_s"]),
+        "directory_cpu_ms": per_request(cpu.get(f"{variant.app}/AdapterDirectory", 0.0)),
+        "metrics_agent_cpu_ms": per_request(cpu.get("metrics_agent", 0.0)),
+        "workers_cpu_ms": per_request(cpu.get(f"{variant.app}/{variant.deployment}", 0.0)),
+        "per_replica": "/".join(str(c) for c in sorted(per_replica.values(), reverse=True)),
+        "errors": len(result["errors"]),
+        "spill": decisions.get("spill", 0) if variant.name == "affinity" else None,
+        "waits": decisions.get("wait", 0) if variant.name == "affinity" else None,
+        # JSON only
+        "loads": loads, "wall_s": result["wall_s"], "decisions": dict(decisions),
+        "replica_requests": dict(per_replica), "error_samples": result["errors"][:3],
+    }
+    print(f"  {setting.name:>4} {cost:>9} r={routers} {variant.name:>11} c={concurrency:<3} "
+          f"loads/1k={row['loads_per_1k']:6.1f} p50={row['p50_ms']:7.1f} p99={row['p99_ms']:7.1f} ms "
+          f"{row['req_per_s']:5.1f} req/s router cpu {row['router_cpu_ms']:5.1f} ms/req errors={row['errors']}",
+          flush=True)
+    return row
 
 
 # ---------------------------------------------------------------------------- goals
 
 
-def _row(rows, setting, variant, concurrency):
-    for r in rows:
-        if (r["setting"], r["variant"], r["concurrency"]) == (setting, variant, concurrency):
-            return r
-    return None
-
-
 def _ratio(num: float, den: float) -> float:
     if den == 0:
-        return math.inf if num > 0 else (1.0 if num == 0 else 0.0)
+        return math.inf if num > 0 else 1.0
     return num / den
 
 
-def goals(rows: list[dict], concurrencies) -> list[dict]:
-    out = []
-    for c in concurrencies:
-        a, b = _row(rows, "fits", "affinity", c), _row(rows, "fits", "multiplexed", c)
-        if a and b:
-            ratio = _ratio(b["loads_per_1k"], a["loads_per_1k"])
-            both_zero = a["loads_per_1k"] == 0 and b["loads_per_1k"] == 0
-            out.append({"goal": "fits: loads >= 5x fewer than multiplexed", "concurrency": c,
-                        "affinity": a["loads_per_1k"], "baseline": b["loads_per_1k"],
-                        "measure": "neither loaded" if both_zero else f"{ratio:.1f}x fewer",
-                        "pass": None if both_zero else ratio >= 5.0})
-        a, p = _row(rows, "skew", "affinity", c), _row(rows, "skew", "pow2", c)
-        if a and p:
-            cut = 1.0 - _ratio(a["loads_per_1k"], p["loads_per_1k"])
-            out.append({"goal": "skew: loads >= 50% fewer than pow2", "concurrency": c,
-                        "affinity": a["loads_per_1k"], "baseline": p["loads_per_1k"],
-                        "measure": f"{100 * cut:.0f}% fewer", "pass": cut >= 0.5})
-        for setting in ("fits", "skew"):
-            a, p = _row(rows, setting, "affinity", c), _row(rows, setting, "pow2", c)
-            if a and p:
-                ratio = _ratio(a["p99_ms"], p["p99_ms"])
-                out.append({"goal": f"{setting}: p99 within 10% of pow2", "concurrency": c,
-                            "affinity": a["p99_ms"], "baseline": p["p99_ms"],
-                            "measure": f"{ratio:.2f}x pow2's p99", "pass": ratio <= 1.10})
+def _groups(rows: list[dict], routers: int = 1) -> dict[tuple, dict[str, dict]]:
+    """(setting, cost, concurrency) -> variant -> row, for rows with ``routers`` routers."""
+    out: dict[tuple, dict[str, dict]] = {}
+    for r in rows:
+        if r["routers"] == routers:
+            out.setdefault((r["setting"], r["cost"], r["concurrency"]), {})[r["variant"]] = r
     return out
+
+
+def _worst(values: list[tuple[float, str]], higher_is_worse: bool) -> tuple[Optional[float], str]:
+    if not values:
+        return None, ""
+    value, where = (max if higher_is_worse else min)(values, key=lambda v: v[0])
+    return value, where
+
+
+def goals(rows: list[dict]) -> tuple[list[dict], dict[str, str]]:
+    """The issue's goals (each measured value is the worst over the run's rows) and where each worst was."""
+    throughput, p50, p99, loads, expensive, cpu, multi = [], [], [], [], [], [], []
+    for (setting, cost, c), by in _groups(rows).items():
+        where = f"{setting}/{cost}/c={c}"
+        a = by.get("affinity")
+        peers = [by[p] for p in PEERS if p in by]
+        if a is None or not peers:
+            continue
+        throughput.append((a["req_per_s"] / max(p["req_per_s"] for p in peers), where))
+        p50.append((a["p50_ms"] / min(p["p50_ms"] for p in peers), where))
+        p99.append((a["p99_ms"] / min(p["p99_ms"] for p in peers), where))
+        if cost == "expensive":
+            expensive.append((a["p99_ms"] / min(p["p99_ms"] for p in peers), where))
+        mux = by.get("multiplexed")
+        if mux is not None and mux["loads"] > 0:
+            loads.append((a["loads_per_1k"] / mux["loads_per_1k"], where))
+        if "pow2" in by:
+            cpu.append((_ratio(a["router_cpu_ms"], by["pow2"]["router_cpu_ms"]), where))
+    one = {k: v.get("affinity") for k, v in _groups(rows, 1).items()}
+    for key, by in _groups(rows, MULTI_ROUTERS).items():
+        a3, a1 = by.get("affinity"), one.get(key)
+        if a3 is not None and a1 is not None:
+            multi.append((_ratio(a3["loads"], a1["loads"]), f"{key[0]}/{key[1]}/c={key[2]}"))
+    out, where_of = [], {}
+    for name, values, target, worse_high, ok in (
+            ("live_throughput_vs_best_peer", throughput, ">= 1.0", False, lambda v: v >= 1.0),
+            ("live_p50_vs_best_peer", p50, "<= 1.05", True, lambda v: v <= 1.05),
+            ("live_p99_vs_best_peer", p99, "<= 1.05", True, lambda v: v <= 1.05),
+            ("live_loads_vs_multiplexed", loads, "<= 0.33", True, lambda v: v <= 0.33),
+            ("live_expensive_p99_vs_best_peer", expensive, "<= 0.8", True, lambda v: v <= 0.8),
+            ("router_cpu_per_request_vs_default", cpu, "<= 1.1", True, lambda v: v <= 1.1),
+            ("live_multi_router_loads_ratio", multi, "<= 1.2", True, lambda v: v <= 1.2)):
+        value, where = _worst(values, worse_high)
+        out.append(common.goal(name, None if value is None else round(value, 3), target,
+                               None if value is None else ok(value)))
+        where_of[name] = f"worst at {where} of {len(values)} comparisons" if values else "nothing to compare"
+    return out, where_of
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """One line per (setting, cost, concurrency): the three variants side by side (1 router)."""
+    lines = ["| setting | load cost | conc | loads/1k aff / mux / pow2 | p50 ms aff / mux / pow2 | "
+             "p99 ms aff / mux / pow2 | req/s aff / mux / pow2 | router CPU ms/req aff / mux / pow2 |",
+             "|---|---|---|---|---|---|---|---|"]
+    for (setting, cost, c), by in sorted(_groups(rows).items(), key=lambda kv: (kv[0][0] != "fits", kv[0][1], kv[0][2])):
+        def cells(key: str, fmt: str) -> str:
+            return " / ".join(format(by[v][key], fmt) if v in by else "-" for v in VARIANTS)
+        lines.append(f"| {setting} | {cost} | {c} | {cells('loads_per_1k', '.0f')} | {cells('p50_ms', '.0f')} | "
+                     f"{cells('p99_ms', '.0f')} | {cells('req_per_s', '.1f')} | {cells('router_cpu_ms', '.1f')} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(r["setting"], r["cost"]) for r in rows if r["routers"] == 1})
+    fig, axes = plt.subplots(2, len(panels), figsize=(4 * len(panels), 6.5), squeeze=False)
+    styles = {"affinity": "o-", "multiplexed": "s--", "pow2": "^:"}
+    for col, (setting, cost) in enumerate(panels):
+        for variant in VARIANTS:
+            sel = sorted((r for r in rows if (r["setting"], r["cost"], r["variant"], r["routers"]) ==
+                          (setting, cost, variant, 1)), key=lambda r: r["concurrency"])
+            xs = [r["concurrency"] for r in sel]
+            axes[0][col].plot(xs, [r["req_per_s"] for r in sel], styles[variant], label=variant)
+            axes[1][col].plot(xs, [r["p99_ms"] for r in sel], styles[variant], label=variant)
+        axes[0][col].set_title(f"{setting}, {cost} loads", fontsize=10)
+        for row, label in ((0, "req/s"), (1, "p99 ms")):
+            ax = axes[row][col]
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("concurrency (closed-loop clients)", fontsize=8)
+            ax.set_ylabel(label, fontsize=9)
+            ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle("routing_live: throughput and p99 against concurrency, one router", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 # ---------------------------------------------------------------------------- main
 
 
 def make_parser():
-    parser = common.base_parser(__doc__.split("\n\n")[0])
+    parser = common.base_parser(__doc__.split("\n\n")[0], plot=True)
     parser.add_argument("--replicas", type=int, default=2, help="worker replicas (default 2)")
-    parser.add_argument("--cpus", type=int, default=4, help="CPUs of the local Ray cluster (default 4)")
+    parser.add_argument("--cpus", type=int, default=8,
+                        help="logical CPUs of the local Ray cluster (default 8: the three apps' workers at once)")
     parser.add_argument("--slots", type=int, default=4, help="adapter slots per replica (default 4)")
     parser.add_argument("--max-batch-size", type=int, default=8,
                         help="running requests per replica = max_ongoing_requests (default 8)")
     parser.add_argument("--fits-adapters", type=int, default=6, help="adapters in the 'fits' setting (default 6)")
     parser.add_argument("--skew-adapters", type=int, default=12, help="adapters in the 'skew' setting (default 12)")
     parser.add_argument("--load-bound-epsilon", type=float, default=0.25,
-                        help="the router's load_bound_epsilon app arg (default 0.25, the product default)")
+                        help="the router's tie tolerance app arg (default 0.25, the product default)")
     parser.add_argument("--alpha", type=float, default=0.3, help="S-LoRA power-law alpha (default 0.3)")
-    parser.add_argument("--requests", type=int, help="requests per (setting, concurrency) (default 600; quick 150)")
+    parser.add_argument("--requests", type=int,
+                        help="requests per row (default 600; quick 60), at least 3 per client at high concurrency")
     parser.add_argument("--verbose", action="store_true", help="keep Ray Serve's driver-side log lines")
-    parser.add_argument("--concurrency", type=int, nargs="+", help="concurrency levels (default 1 8 64)")
+    parser.add_argument("--concurrency", type=int, nargs="+", help="concurrency levels (default 1 8 64; quick 1 64)")
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
-    parser.add_argument("--settings", nargs="+", choices=("fits", "skew"), default=["fits", "skew"])
+    parser.add_argument("--settings", nargs="+", choices=("fits", "skew"),
+                        help="default: fits skew (quick: skew)")
+    parser.add_argument("--costs", nargs="+", choices=COSTS, default=list(COSTS))
+    parser.add_argument("--no-multi-router", action="store_true", help=f"skip the {MULTI_ROUTERS}-router rows")
     return parser
 
 
 def main(argv=None) -> list[dict]:
     args = make_parser().parse_args(argv)
-    n = args.requests or (150 if args.quick else 600)
-    concurrencies = tuple(args.concurrency or CONCURRENCY)
-    n_warm = max(48, n // 4)
+    concurrencies = tuple(args.concurrency or ((1, 64) if args.quick else CONCURRENCY))
+    chosen = args.settings or (["skew"] if args.quick else ["fits", "skew"])
     all_started = time.perf_counter()
 
     import ray
@@ -384,7 +401,11 @@ def main(argv=None) -> list[dict]:
 
     from engine.demo import ensure_demo_assets
 
-    settings = [s for s in settings_for(args.replicas * args.slots, args) if s.name in args.settings]
+    from .live.load_cost import LoadCost
+    from .live.processes import CpuMeter, find_processes
+
+    costs = {"cheap": LoadCost(), "expensive": LoadCost.llama3_8b_rank16()}
+    settings = [s for s in settings_for(args.replicas * args.slots, args) if s.name in chosen]
     num_adapters = max(s.num_adapters for s in settings)
     ensure_demo_assets(num_adapters=num_adapters)  # once, before any replica races to build them
     ray.init(address="local", num_cpus=args.cpus, include_dashboard=False, log_to_driver=False,
@@ -393,44 +414,63 @@ def main(argv=None) -> list[dict]:
     if not args.verbose:  # deploy/delete chatter and queue-length probe warnings, on the driver
         logging.getLogger("ray.serve").setLevel(logging.ERROR)
     print(f"routing_live: {args.replicas} replicas x {args.slots} slots, max_batch_size {args.max_batch_size}, "
-          f"{n} requests per level (+{n_warm} warm-up), concurrency {list(concurrencies)}, alpha {args.alpha}",
-          flush=True)
+          f"concurrency {list(concurrencies)}, settings {chosen}, load costs {args.costs}, alpha {args.alpha}; "
+          f"variants {args.variants} deployed side by side, measured in turns", flush=True)
     rows: list[dict] = []
     deploy_s: dict[str, float] = {}
+    variants = [Variant(name, args, num_adapters) for name in args.variants]
     try:
-        for index, name in enumerate(args.variants):
-            variant = VARIANT_CLASSES[name](args, num_adapters)
-            variant.app = f"{APP_PREFIX}-{index}-{name}"  # never reuse a name (see Variant.__init__)
-            deploy_s[name] = variant.deploy()
-            print(f"{name}: deployed in {deploy_s[name]:.1f} s", flush=True)
+        for v in variants:
+            deploy_s[v.name] = v.deploy()
+            print(f"{v.name}: deployed in {deploy_s[v.name]:.1f} s", flush=True)
+        for cost in args.costs:
+            for v in variants:
+                v.set_load_cost(costs[cost])
+            meter = CpuMeter(find_processes([v.app for v in variants]))
             for i, setting in enumerate(settings):
-                requests = build_requests(setting, n, args.seed + 100 * i)
-                warmup = build_requests(setting, n_warm, args.seed + 100 * i + 1)
-                rows += measure(variant, setting, requests, warmup, concurrencies)
-            serve.delete(variant.app)
+                warmup = build_requests(setting, max(48, requests_per_row(1, args) // 2), args.seed + 100 * i + 1)
+                for v in variants:
+                    run_clients(v.ensure_clients(1), warmup, 8)
+                for c in concurrencies:
+                    requests = build_requests(setting, requests_per_row(c, args), args.seed + 100 * i)
+                    for v in variants:
+                        rows.append(measure_row(v, meter, setting, cost, c, 1, requests))
+                    multi = [v for v in variants if v.name == "affinity"]
+                    if multi and not args.no_multi_router and c >= MULTI_ROUTERS:
+                        run_clients(multi[0].ensure_clients(MULTI_ROUTERS), warmup, 8)
+                        rows.append(measure_row(multi[0], meter, setting, cost, c, MULTI_ROUTERS, requests))
     finally:
         serve.shutdown()
         ray.shutdown()
 
-    rows.sort(key=lambda r: (r["setting"] != "fits", r["concurrency"], VARIANTS.index(r["variant"])))
-    columns = ["setting", "adapters", "variant", "concurrency", "loads_per_1k", "evictions_per_1k", "p50_ms",
-               "p99_ms", "req_per_s", "per_replica", "spill", "full_spill", "errors"]
+    rows.sort(key=lambda r: (r["setting"] != "fits", COSTS.index(r["cost"]), r["concurrency"], r["routers"],
+                             VARIANTS.index(r["variant"])))
+    columns = ["setting", "cost", "routers", "variant", "concurrency", "requests", "loads_per_1k", "p50_ms", "p99_ms",
+               "req_per_s", "router_cpu_ms", "directory_cpu_ms", "metrics_agent_cpu_ms", "workers_cpu_ms",
+               "per_replica", "spill", "waits", "errors"]
     print()
-    common.print_table(rows, columns, title=f"Live routing ({args.replicas} replicas x {args.slots} slots, "
-                                            f"{n} requests per row, warm-up excluded)", floatfmt=".1f")
-    goal_rows = goals(rows, concurrencies)
+    common.print_table(rows, columns, floatfmt=".1f",
+                       title=f"Live routing ({args.replicas} replicas x {args.slots} slots, warm-up excluded; "
+                             f"*_cpu_ms = CPU milliseconds per request: router = the client processes hosting "
+                             f"the routers)")
+    goal_rows, where_of = goals(rows)
     print()
-    for g in goal_rows:
-        verdict = "N/A " if g["pass"] is None else ("PASS" if g["pass"] else "FAIL")
-        print(f"{verdict}  {g['goal']:<44} c={g['concurrency']:<3} "
-              f"affinity {g['affinity']:.1f} vs {g['baseline']:.1f}: {g['measure']}")
+    common.print_goals(goal_rows)
+    for name, where in where_of.items():
+        print(f"  {name}: {where}")
+    md = markdown_table(rows)
+    print("\n" + md)
     print(f"\ntotal {common.elapsed_since(all_started)}")
     if args.json:
         common.write_json(args.json, "routing_live", rows,
-                          common.settings_of(args, requests_per_level=n, warmup_requests=n_warm,
-                                             concurrency_levels=list(concurrencies),
-                                             settings=[s.__dict__ for s in settings]),
-                          extra={"goals": goal_rows, "deploy_seconds": deploy_s})
+                          common.settings_of(args, concurrency_levels=list(concurrencies), settings_run=chosen,
+                                             costs={k: vars(v) for k, v in costs.items()}),
+                          extra={"deploy_seconds": deploy_s, "readme_table": md, "goal_where": where_of},
+                          goals=goal_rows)
+    png = common.plot_path(args)
+    if png:
+        plot(rows, png)
+        print(f"plot: {png}")
     return rows
 
 

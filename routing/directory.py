@@ -120,7 +120,11 @@ class AdapterDirectory:
     def heartbeat(self, replica_id: str, *, queue_len: Optional[int] = None,
                   host_cached: Optional[Iterable[str]] = None, loading: Optional[Iterable[str]] = None,
                   load_s: Optional[Mapping] = None) -> bool:
-        """Liveness plus the parts of a replica's state that are not pool events."""
+        """Liveness plus the parts of a replica's state that are not pool events.
+
+        A queue length alone does not make a new version: routers take queue lengths from
+        Serve's own cache, and waking every router's long poll once a second per replica for
+        a number they do not use would cost each of them a round trip."""
         state = self._state(replica_id, first_seq=None)
         state.last_report = self._clock()
         if self._set_extras(state, queue_len, host_cached, loading, load_s):
@@ -205,7 +209,8 @@ class AdapterDirectory:
             state.pinned.discard(event.uid)
 
     def _set_extras(self, state: ReplicaState, queue_len, host_cached, loading, load_s=None) -> bool:
-        before = (state.queue_len, state.host_cached, state.loading, state.load_s)
+        """Whether anything routers price changed (the queue length is stored, not counted)."""
+        before = (state.host_cached, state.loading, state.load_s)
         if queue_len is not None:
             state.queue_len = queue_len
         if host_cached is not None:
@@ -214,7 +219,7 @@ class AdapterDirectory:
             state.loading = set(loading)
         if load_s is not None:
             state.load_s = dict(load_s)
-        return before != (state.queue_len, state.host_cached, state.loading, state.load_s)
+        return before != (state.host_cached, state.loading, state.load_s)
 
     def _unindex(self, uid: str, replica_id: str) -> None:
         holders = self.holders.get(uid)

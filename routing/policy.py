@@ -11,7 +11,8 @@ time (ECT, seconds, the request's own run time left out: it is the same everywhe
   + load            0 if ``a`` is resident; the replica's measured host-tier copy time if
                                             ``a`` is in its host tier; its disk read time else
   + eviction        what the load evicts: the victim's chance of being asked for again soon
-                                            (its recent demand) times its reload time
+                                            (its recent demand) times its reload time; within
+                                            a tie the least wanted victim goes first
 
 The request goes to the minimum; candidates within ``tie_epsilon`` of one queued request's
 wait (T / cap) of the minimum are a tie, broken by the adapter's rendezvous order, so
@@ -81,6 +82,7 @@ class FleetView:
     pinned: Optional[Sequence[frozenset]] = None       # pinned adapter names per replica
     host_load_s: Optional[Sequence[Optional[float]]] = None  # measured host-tier copy seconds
     disk_load_s: Optional[Sequence[Optional[float]]] = None  # measured disk read seconds
+    score_cache: Optional[dict] = None  # adapter -> rendezvous scores for these replica_ids (shareable)
 
     def __post_init__(self) -> None:
         n = len(self.replica_ids)
@@ -89,7 +91,7 @@ class FleetView:
         if self.free_slots is None:
             self.free_slots = np.zeros(n, dtype=np.int64)
         self.free = [int(x) for x in self.free_slots]
-        self._scores: dict[str, list[int]] = {}
+        self._scores: dict[str, list[int]] = self.score_cache if self.score_cache is not None else {}
         self._order: dict[str, list[int]] = {}
 
     def scores(self, adapter: str) -> list[int]:
@@ -135,7 +137,7 @@ def choose_replicas(adapter: Optional[str], view: FleetView, loads: Sequence[flo
     join_check = active is not None and view.slots is not None
     free = view.free
     ect: dict[int, float] = {}
-    cost_class: dict[int, int] = {}  # 0 resident, 1 load into a free slot, 2 load that evicts
+    cost_class: dict[int, int] = {}  # 0 resident, 1 load into a free slot, 2+ load that evicts (+ victim's demand)
     best, best_e, best_tol = 0, float("inf"), 0.0
     for i in candidates:
         cap = caps[i] if caps is not None else cap_default
@@ -150,8 +152,9 @@ def choose_replicas(adapter: Optional[str], view: FleetView, loads: Sequence[flo
             if free[i] > 0:
                 cost_class[i] = 1
             else:
-                cost_class[i] = 2
-                e += _eviction_s(view, i, active, demand, t, config)
+                p = _victim_demand(view, i, active, demand, t, config)
+                cost_class[i] = 2 + int(p * 10)  # within a tie, evict the least wanted victim
+                e += p * _load_s(view, i, True, config)
         ect[i] = e
         if e < best_e:
             best, best_e, best_tol = i, e, config.tie_epsilon * t / cap
@@ -204,10 +207,10 @@ def _load_s(view: FleetView, i: int, warm: bool, config: RoutingConfig) -> float
     return measured if measured is not None else config.disk_load_s
 
 
-def _eviction_s(view: FleetView, i: int, active: Optional[Sequence[Mapping]], demand: Optional[Mapping[str, float]],
-                t: float, config: RoutingConfig) -> float:
-    """The cheapest victim's expected reload: P(asked for within demand_horizon request times) x
-    its host-tier reload. Without residents or demand reported, nothing is charged."""
+def _victim_demand(view: FleetView, i: int, active: Optional[Sequence[Mapping]],
+                   demand: Optional[Mapping[str, float]], t: float, config: RoutingConfig) -> float:
+    """P(the least wanted evictable adapter on ``i`` is asked for within demand_horizon request
+    times): what a load there costs in reloads. Without residents or demand known, 0."""
     if view.residents is None or not demand:
         return 0.0
     running = active[i] if active is not None else {}
@@ -215,9 +218,7 @@ def _eviction_s(view: FleetView, i: int, active: Optional[Sequence[Mapping]], de
     horizon = config.demand_horizon * t
     victims = [min(1.0, demand.get(r, 0.0) * horizon) for r in view.residents[i]
                if running.get(r, 0) <= 0 and r not in pinned]
-    if not victims:
-        return 0.0  # nothing evictable: the slot wait already counts it
-    return min(victims) * _load_s(view, i, True, config)
+    return min(victims, default=0.0)  # nothing evictable: the slot wait already counts it
 
 
 def _candidates(adapter: Optional[str], view: FleetView, loads: list, holders: Collection[int],

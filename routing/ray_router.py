@@ -13,8 +13,10 @@ machine shares cores with the engines:
 - one replica per decision, from Serve's own queue-length cache: Serve never probes a
   replica we offer (a probe is an RPC that costs the caller and the replica);
 - when the best replica is full, the request waits for capacity (woken by a completion
-  of this router's requests, or after ``capacity_poll_s``) instead of Serve's backoff
-  loop, which sleeps while rows are free and probes full replicas on every attempt;
+  of this router's requests) instead of Serve's backoff loop, which sleeps while rows are
+  free and probes full replicas on every attempt; only when other routers' requests fill
+  the replica (completions this router cannot see) is it offered after ``capacity_poll_s``
+  so Serve asks it for its queue length;
 - metrics are counted locally and exported every ``metrics_export_interval_s`` from the
   feed thread, not one ``ray.util.metrics`` call per decision;
 - the candidate list, caps and view are cached until Serve's replica set or the view
@@ -70,7 +72,7 @@ class _RouterMetrics:
         self._decisions = MetricCounter("lorafleet_router_decisions_total",
                                         description="Routing decisions by kind (affinity, spill: another replica "
                                                     "than the holders, placement: no holder, base, wait: the best "
-                                                    "replica was full)",
+                                                    "replica was full; waited: offered after a wait for it)",
                                         tag_keys=("kind",))
         self._lag = Gauge("lorafleet_router_view_lag_seconds",
                           description="Seconds since this router's view last heard from the directory")
@@ -101,7 +103,7 @@ def check_router_kwargs(kwargs: dict) -> None:
 class AdapterAffinityRouter(RequestRouter):
     def initialize_state(self, load_bound_epsilon: float = 0.25, optimistic_ttl_s: float = 3.0,
                          directory_deployment: str = "AdapterDirectory", poll_timeout_s: float = 5.0,
-                         min_poll_interval_s: float = 0.1, host_load_s: float = 0.002, disk_load_s: float = 0.05,
+                         min_poll_interval_s: float = 0.5, host_load_s: float = 0.002, disk_load_s: float = 0.05,
                          default_request_s: float = 0.5, capacity_poll_s: float = 0.05,
                          metrics_export_interval_s: float = 5.0) -> None:
         """``load_bound_epsilon``: replicas whose expected completion times are within this many
@@ -117,7 +119,7 @@ class AdapterAffinityRouter(RequestRouter):
         self.min_poll_interval_s = min_poll_interval_s  # batches bursts of deltas: one view rebuild each
         self.capacity_poll_s = capacity_poll_s
         self.metrics_export_interval_s = metrics_export_interval_s
-        self.decisions: Counter = Counter()  # affinity | spill | placement | base | wait
+        self.decisions: Counter = Counter()  # affinity | spill | placement | base | wait | waited
         self._poll_thread: Optional[threading.Thread] = None
         self._epoch_seen: Optional[str] = None
         self._stats_applied_at = float("-inf")
@@ -156,20 +158,26 @@ class AdapterAffinityRouter(RequestRouter):
             if self._last_call[0] == request_id and now - self._last_call[1] < REPEAT_WINDOW_S:
                 await self._wait_for_capacity()  # Serve could not use the last choice: do not spin
         deadline = time.monotonic() + MAX_WAIT_PER_CALL_S
+        kind = None
         while True:
             decision = self._decide(adapter)
             if not decision.wait or time.monotonic() >= deadline:
                 break
             self.decisions["wait"] += 1
             self.metrics.decision("wait")
-            await self._wait_for_capacity()
+            if not await self._wait_for_capacity() and self._others_fill(decision.best):
+                # nothing of ours finished, but other routers' requests fill the best replica and
+                # their completions are invisible here: offer it, so Serve asks it for its queue length
+                chosen, kind = decision.best, "waited"
+                break
         self._last_call = (request_id, time.monotonic())
-        if not decision.tiers:
-            return []
-        chosen = decision.tiers[0][0]
+        if kind is None:
+            if not decision.tiers:
+                return []
+            chosen, kind = decision.tiers[0][0], decision.kind
         if request_id is not None:
             self.local.chose(request_id, self._ids[chosen])
-            self._kinds[request_id] = decision.kind
+            self._kinds[request_id] = kind
             if len(self._kinds) > 10_000:  # requests cancelled before routing leave entries
                 self._kinds.clear()
         return [[self._by_id[self._ids[chosen]]]]
@@ -192,16 +200,25 @@ class AdapterAffinityRouter(RequestRouter):
                                caps=self._caps, request_s=local.request_s_by_index(ids),
                                active=local.active_by_index(ids), demand=local.demand)
 
-    async def _wait_for_capacity(self) -> None:
-        """Until a request of ours completes (a row frees) or ``capacity_poll_s`` passes (other
-        routers' requests complete unseen)."""
+    async def _wait_for_capacity(self) -> bool:
+        """Until a request of ours completes or a replica reports room (True), or ``capacity_poll_s``
+        passes (False: other routers' requests may have completed unseen)."""
         if self._capacity is None:
             self._capacity = asyncio.Event()
         event = self._capacity
         try:
             await asyncio.wait_for(event.wait(), self.capacity_poll_s)
+            return True
         except asyncio.TimeoutError:
-            pass
+            return False
+
+    def _others_fill(self, index: Optional[int]) -> bool:
+        """Whether replica ``index`` looks full partly because of requests this router did not send."""
+        if index is None:
+            return False
+        rid = self._ids[index]
+        cached = self.replica_queue_len_cache.get(self._by_id[rid].replica_id)
+        return cached is None or cached > self.local.inflight.get(rid, 0)
 
     def _capacity_freed(self) -> None:
         if self._capacity is not None:

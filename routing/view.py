@@ -39,6 +39,8 @@ class RouterView:
         self._reserved: dict[str, dict[str, float]] = {}  # replica -> adapters placed there, not yet reported
         self._cache_key: Optional[tuple] = None
         self._cache: Optional[FleetView] = None
+        self._scores: dict[str, list[int]] = {}  # rendezvous scores, kept across rebuilds for the same replicas
+        self._scores_for: tuple[str, ...] = ()
 
     # ------------------------------------------------------------------ inputs
 
@@ -149,6 +151,8 @@ class RouterView:
         self._generation += 1
 
     def _build(self, replica_ids: tuple[str, ...]) -> FleetView:
+        if replica_ids != self._scores_for:
+            self._scores, self._scores_for = {}, replica_ids
         holders: dict[str, set[int]] = {}
         warm: dict[str, set[int]] = {}
         now = self._clock()
@@ -177,7 +181,8 @@ class RouterView:
             timings = state.get("load_s") or {}
             host_s[i], disk_s[i] = timings.get("host"), timings.get("disk")
         return FleetView(replica_ids, holders=holders, warm=warm, free_slots=free, slots=slots, residents=residents,
-                         pinned=pinned, host_load_s=_fill_with_mean(host_s), disk_load_s=_fill_with_mean(disk_s))
+                         pinned=pinned, host_load_s=_fill_with_mean(host_s), disk_load_s=_fill_with_mean(disk_s),
+                         score_cache=self._scores)
 
 
 def _fill_with_mean(values: list[Optional[float]]) -> list[Optional[float]]:

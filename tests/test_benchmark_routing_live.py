@@ -1,47 +1,123 @@
-"""Smoke test of ``benchmarks.routing_live`` inside the session's Ray cluster.
+"""``benchmarks.routing_live``: its goal verdicts, the injected load cost, and one row on a live cluster.
 
-Only the new parts: the multiplexed baseline deployment (Serve's LRU really unloads
-adapters from the engine, and both load counts agree) and the measurement plumbing;
-the product's own deployments are covered by the fleet tests. Plus the goal verdicts.
+The product's own deployments are covered by the fleet tests; here only what the
+benchmark adds: the goals, the benchmark-only load cost in the load path, the client
+processes (one router each) and the multiplexing baseline.
 """
 
 from __future__ import annotations
 
 import time
 
+import pytest
+
 from benchmarks import routing_live as rl
+from deployments.config import AppArgs
+from engine.engine import LoRAEngine
+from engine.request import GenerateRequest
 
 
-def test_goal_verdicts_cover_ties_and_failures():
-    def row(setting, variant, c, loads, p99):
-        return {"setting": setting, "variant": variant, "concurrency": c, "loads_per_1k": loads, "p99_ms": p99}
-
-    rows = [row("fits", "affinity", 8, 0.0, 10.0), row("fits", "multiplexed", 8, 0.0, 10.0),
-            row("fits", "pow2", 8, 50.0, 10.0), row("skew", "affinity", 8, 100.0, 12.0),
-            row("skew", "pow2", 8, 150.0, 10.0)]
-    verdicts = {g["goal"]: g["pass"] for g in rl.goals(rows, (8,))}
-    assert verdicts["fits: loads >= 5x fewer than multiplexed"] is None  # neither loaded: no verdict
-    assert verdicts["skew: loads >= 50% fewer than pow2"] is False       # 33% fewer
-    assert verdicts["fits: p99 within 10% of pow2"] is True
-    assert verdicts["skew: p99 within 10% of pow2"] is False             # 1.2x
+def row(variant, *, setting="skew", cost="cheap", c=64, routers=1, rps=30.0, p50=100.0, p99=200.0, loads=10,
+        cpu=5.0):
+    return {"setting": setting, "cost": cost, "routers": routers, "variant": variant, "concurrency": c,
+            "req_per_s": rps, "p50_ms": p50, "p99_ms": p99, "loads": loads, "loads_per_1k": float(loads),
+            "router_cpu_ms": cpu}
 
 
-def test_multiplexed_baseline_unloads_and_counts_loads(ray_cluster, demo_assets):
+def verdicts(rows):
+    goals, where = rl.goals(rows)
+    assert set(where) == {g["name"] for g in goals}
+    return {g["name"]: (g["pass"], g["measured"]) for g in goals}
+
+
+def test_goals_take_the_worst_row_and_the_better_peer():
+    rows = [row("affinity", rps=30, p50=100, p99=200, loads=2, cpu=5.2),
+            row("multiplexed", rps=25, p50=90, p99=300, loads=10, cpu=4.0),
+            row("pow2", rps=31, p50=150, p99=190, loads=40, cpu=5.0),
+            row("affinity", c=1, rps=20, p50=40, p99=60, loads=0, cpu=6.0),
+            row("multiplexed", c=1, rps=20, p50=40, p99=60, loads=0, cpu=5.0),
+            row("pow2", c=1, rps=19, p50=41, p99=61, loads=5, cpu=5.0)]
+    v = verdicts(rows)
+    assert v["live_throughput_vs_best_peer"] == (False, round(30 / 31, 3))   # pow2 is the better peer at c=64
+    assert v["live_p50_vs_best_peer"] == (False, round(100 / 90, 3))
+    assert v["live_p99_vs_best_peer"] == (False, round(200 / 190, 3))
+    assert v["live_loads_vs_multiplexed"] == (True, 0.2)                     # c=1: multiplexing loaded nothing
+    assert v["router_cpu_per_request_vs_default"] == (False, 1.2)            # the worst row: 6.0 / 5.0
+    assert v["live_expensive_p99_vs_best_peer"] == (None, None)              # no expensive rows in this run
+    assert v["live_multi_router_loads_ratio"] == (None, None)
+
+
+def test_multi_router_loads_compare_with_the_same_row_of_one_router():
+    rows = [row("affinity", loads=0), row("affinity", routers=3, loads=0),
+            row("affinity", setting="fits", loads=4), row("affinity", setting="fits", routers=3, loads=5)]
+    assert verdicts(rows)["live_multi_router_loads_ratio"] == (False, 1.25)
+    rows[-1]["loads"] = 4
+    assert verdicts(rows)["live_multi_router_loads_ratio"] == (True, 1.0)     # 0 with both counts as equal
+    rows[0]["loads"], rows[1]["loads"] = 0, 1
+    assert verdicts(rows)["live_multi_router_loads_ratio"][0] is False        # 1 vs 0: infinitely worse
+
+
+def test_clients_split_the_trace_and_the_concurrency_evenly():
+    from benchmarks.live.clients import shares, split
+
+    assert split(list(range(7)), 3) == [[0, 3, 6], [1, 4], [2, 5]]
+    assert shares(64, 3) == [22, 21, 21] and shares(1, 1) == [1]
+
+
+def test_injected_load_cost_tops_up_disk_reads_and_prices_host_tier_hits(demo_assets):
+    from benchmarks.live.load_cost import InjectedLoadCost, LoadCost
+
+    engine = LoRAEngine(AppArgs(base_model=str(demo_assets.model_dir), max_loras_per_batch=2, max_lora_rank=16,
+                                max_batch_size=4, max_model_len=128).engine_config())
+    try:
+        injected = InjectedLoadCost(engine)
+        injected.cost = LoadCost(host_s=0.05, disk_s=0.3)
+        path = str(demo_assets.adapters["demo-1"])
+        started = time.perf_counter()
+        engine.register_adapter("demo-1", path)                      # a read from disk: topped up to 0.3 s
+        assert time.perf_counter() - started >= 0.3
+        uid = engine.current_uid("demo-1")
+        started = time.perf_counter()
+        engine.generate_blocking(GenerateRequest(adapter="demo-1", prompt="hi", max_tokens=1))
+        assert time.perf_counter() - started >= 0.05                 # the slot load: a host-tier copy
+        snap = engine.pool_snapshot()
+        assert snap.counters.loads == 1 and snap.counters.load_seconds >= 0.05  # the pool measured it
+        started = time.perf_counter()
+        engine.generate_blocking(GenerateRequest(adapter="demo-1", prompt="hi", max_tokens=1))
+        assert engine.pool_snapshot().counters.loads == 1            # resident: no load, no delay charged
+        assert engine.is_resident(uid)
+        with pytest.raises(ValueError, match="must not be negative"):
+            LoadCost(host_s=-1.0)
+    finally:
+        engine.shutdown()
+
+
+def test_one_row_of_the_multiplexed_baseline_with_expensive_loads(ray_cluster, demo_assets):
+    """Serve's LRU really unloads (each load a registration), the injected disk cost shows in the
+    baseline's own load timings, and the row's CPU and latency columns are filled."""
     from ray import serve
 
+    from benchmarks.live.load_cost import LoadCost
+    from benchmarks.live.processes import CpuMeter, find_processes
+
     args = rl.make_parser().parse_args(["--replicas", "1", "--slots", "2", "--max-batch-size", "4"])
-    variant = rl.MultiplexedVariant(args, num_adapters=3)
+    variant = rl.Variant("multiplexed", args, num_adapters=3)
     variant.app = f"routing-live-smoke-{int(time.time())}"
+    cost = LoadCost(host_s=0.01, disk_s=0.2)
     variant.deploy()
+    variant.set_load_cost(cost)
     try:
         setting = rl.Setting("smoke", 3, 1.0)  # uniform over 3 adapters on 2 slots: Serve's LRU must unload
         requests = rl.build_requests(setting, 12, seed=0)
         assert requests == rl.build_requests(setting, 12, seed=0)  # deterministic
-        rows = rl.measure(variant, setting, requests, rl.build_requests(setting, 4, seed=1), (1, 4))
+        meter = CpuMeter(find_processes([variant.app]))
+        result = rl.measure_row(variant, meter, setting, "expensive", 2, 1, requests)
+        stats = rl.sample_replicas(
+            lambda: serve.get_deployment_handle(variant.deployment, app_name=variant.app).stats.remote(), 1)
     finally:
         serve.delete(variant.app)
-    assert [r["concurrency"] for r in rows] == [1, 4]
-    for r in rows:
-        assert r["errors"] == 0 and sum(r["replica_requests"].values()) == 12
-        assert r["loads_per_1k"] == r["mux_loads_per_1k"]  # one registration = one slot load
-    assert sum(r["loads"] for r in rows) > 0 and any(r["evictions_per_1k"] > 0 for r in rows)
+    assert result["errors"] == 0 and sum(result["replica_requests"].values()) == 12
+    assert result["loads"] > 0 and result["workers_cpu_ms"] > 0 and result["router_cpu_ms"] > 0
+    snap = next(iter(stats.values()))
+    assert snap["mux_loads"] >= result["loads"]
+    assert snap["mux_load_seconds"] / snap["mux_loads"] >= 0.2  # every registration paid the disk read

@@ -100,3 +100,76 @@ def test_benchmark_helpers_on_a_tiny_plan() -> None:
     assert md.startswith("| setting |") and "| affinity |" in md
     plan = cluster_sim.make_plan(quick=True, seed=0)
     assert {r for _, r in plan.tasks} == set(cluster_sim.ROUTER_ORDER)
+
+
+# ---------------------------------------------------------------------------- the live fleet in simulation
+
+from benchmarks.routing_live import Setting as LiveSetting, build_requests  # noqa: E402
+from benchmarks.sim.cpu_fleet import ControlPlaneCpu, CpuFleet, CpuFleetConfig, run_cpu_fleet  # noqa: E402
+from benchmarks.sim.live_check import ranking_agreement, simulate_live  # noqa: E402
+
+
+def cpu_cfg(variant, **kw):
+    return CpuFleetConfig(variant=variant, step_base_s=0.004, step_per_seq_s=0.0005, **kw)
+
+
+@pytest.mark.parametrize("variant", ["affinity", "multiplexed", "pow2"])
+def test_cpu_fleet_is_deterministic_and_closed_loop(variant):
+    requests = build_requests(LiveSetting("skew", 12, 0.3), 150, seed=0)
+    fleet = CpuFleet(requests, 16, cpu_cfg(variant, control=ControlPlaneCpu(router_s=0.005)))
+    result = fleet.run()
+    again = CpuFleet(requests, 16, cpu_cfg(variant, control=ControlPlaneCpu(router_s=0.005))).run()
+    assert result == again
+    assert fleet.done == 150 and all(r.t_done > r.arrival >= 0 for r in fleet.requests)
+    assert not fleet.ongoing.any() and not fleet.pending and not fleet.active
+    # closed loop: never more than ``concurrency`` requests between issue and completion
+    events = sorted([(r.arrival, 1) for r in fleet.requests] + [(r.t_done, -1) for r in fleet.requests])
+    level = peak = 0
+    for _, step in events:
+        level += step
+        peak = max(peak, level)
+    assert peak <= 16
+
+
+def test_control_plane_cpu_takes_engine_capacity_on_shared_cores():
+    requests = build_requests(LiveSetting("skew", 12, 0.3), 300, seed=1)
+    light = run_cpu_fleet(requests, 64, cpu_cfg("pow2", control=ControlPlaneCpu(router_s=0.002)))
+    heavy = run_cpu_fleet(requests, 64, cpu_cfg("pow2", control=ControlPlaneCpu(router_s=0.002, replica_s=0.03)))
+    assert heavy.req_per_s < 0.8 * light.req_per_s and heavy.engine_share < light.engine_share
+
+
+def test_the_affinity_policy_loads_less_than_pow2_when_the_working_set_fits():
+    requests = build_requests(LiveSetting("fits", 6, 0.3), 300, seed=2)
+    warmup = build_requests(LiveSetting("fits", 6, 0.3), 60, seed=3)
+    affinity = run_cpu_fleet(requests, 1, cpu_cfg("affinity"), warmup=warmup)
+    pow2 = run_cpu_fleet(requests, 1, cpu_cfg("pow2"), warmup=warmup)
+    assert affinity.loads < pow2.loads
+
+
+def test_ranking_agreement_counts_only_pairs_the_live_run_separates():
+    def r(variant, live, sim, c=64):
+        return {"setting": "skew", "cost": "cheap", "concurrency": c, "variant": variant,
+                "live_req_per_s": live, "sim_req_per_s": sim}
+
+    rows = [r("affinity", 30, 40), r("multiplexed", 29, 20), r("pow2", 15, 25),  # aff~mux: a tie live
+            r("affinity", 10, 5, c=1), r("pow2", 10.5, 4, c=1)]                     # within 10%: a tie
+    agreed, ordered, wrong = ranking_agreement(rows)
+    assert (agreed, ordered) == (1, 2) and len(wrong) == 1 and "multiplexed 29.0 vs pow2 15.0" in wrong[0]
+
+
+def test_a_live_run_is_simulated_cell_by_cell():
+    costs = {"cheap": {"host_s": 0.0, "disk_s": 0.0}, "expensive": {"host_s": 0.0048, "disk_s": 0.0876}}
+    meta = {"settings_run": ["skew"], "fits_adapters": 6, "skew_adapters": 12, "alpha": 0.3, "replicas": 2,
+            "slots": 4, "max_batch_size": 8, "requests": 40, "quick": True, "seed": 0, "load_bound_epsilon": 0.25,
+            "costs": costs}
+    rows = []
+    for cost in costs:
+        for variant, rps in (("affinity", 30.0), ("multiplexed", 20.0), ("pow2", 10.0)):
+            rows.append({"setting": "skew", "cost": cost, "concurrency": 8, "routers": 1, "variant": variant,
+                         "req_per_s": rps, "p50_ms": 100.0, "p99_ms": 200.0, "router_cpu_ms": 5.0,
+                         "directory_cpu_ms": 1.0, "metrics_agent_cpu_ms": 1.0, "workers_cpu_ms": 20.0})
+    out = simulate_live({"metadata": {"settings": meta}, "rows": rows}, 0.004, 0.0005)
+    live = {"affinity": 30.0, "multiplexed": 20.0, "pow2": 10.0}
+    assert len(out) == 6 and all(r["sim_req_per_s"] > 0 and r["live_req_per_s"] == live[r["variant"]] for r in out)
+    assert {(r["cost"], r["variant"]) for r in out} == {(c, v) for c in costs for v in
+                                                      ("affinity", "multiplexed", "pow2")}

@@ -77,10 +77,13 @@ def test_deltas_are_replica_granular_and_versioned():
     d.apply_events("r0", [ev("load", "a", 0, 1)])
     v1 = d.version
     d.apply_events("r1", [ev("load", "b", 0, 1, "r1")])
-    d.heartbeat("r0", queue_len=3)
+    d.heartbeat("r0", queue_len=3)  # stored, but a queue length alone wakes no router
     version, changes = d.changes_since(v1)
-    assert version == d.version and set(changes) == {"r0", "r1"}
-    assert changes["r0"]["queue_len"] == 3 and changes["r1"]["resident"] == {"b": 0}
+    assert version == d.version and set(changes) == {"r1"}
+    assert changes["r1"]["resident"] == {"b": 0} and d.full_view()["r0"]["queue_len"] == 3
+    d.heartbeat("r0", queue_len=3, host_cached=["h@1"])
+    version, changes = d.changes_since(version)
+    assert set(changes) == {"r0"} and changes["r0"]["queue_len"] == 3
     assert d.changes_since(version) == (version, {})
     assert d.changes_since(version + 10)[1] is None  # from before a restart: take a full view
     d.forget_replica("r1")

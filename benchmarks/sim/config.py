@@ -28,6 +28,8 @@ class SimConfig:
     max_bypass_steps: int = 16
     seed: int = 0
     costs: CostModel = field(default_factory=CostModel)
+    prior_load_s: Optional[tuple[float, float]] = None  # affinity's (host, disk) load priors; None: from costs
+    prior_request_s: Optional[float] = None             # affinity's request-time prior; None: from costs
 
 
 class SimRequest:

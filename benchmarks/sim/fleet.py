@@ -42,6 +42,7 @@ from routing.directory import AdapterDirectory
 
 from ..traces import Trace, adapter_uid
 from .config import SimConfig, SimRequest
+from .feed import DirectoryFeed
 from .routers import ROUTERS
 
 _RETRY, _DONE, _SYNC = 1, 2, 3
@@ -131,14 +132,14 @@ class Simulator:
         self.router = ROUTERS[config.router](self)
         self.ranks = {adapter_uid(a): int(r) for a, r in enumerate(trace.ranks.tolist())}
         self._configs: dict[int, AdapterConfig] = {}
-        self.pending_events: deque = deque()
+        self.feed: Optional[DirectoryFeed] = None
         self.directory: Optional[AdapterDirectory] = None
         listener = None
         if self.router.uses_view:
-            self.directory = AdapterDirectory(clock=lambda: self.now, replica_timeout_s=float("inf"))
-            listener = self._on_pool_event
+            self.feed = DirectoryFeed(lambda: self.now, config.lag_s)
+            self.directory = self.feed.directory
+            listener = self.feed.on_pool_event
         self.replicas = [SimReplica(i, rid, config, self._fetch, listener) for i, rid in enumerate(self.ids)]
-        self.view_version = -1
         self.heap: list = []
         self._seq = 0
         self.retries = 0
@@ -155,33 +156,13 @@ class Simulator:
                                                       target_modules=())
         return LoRAAdapterWeights(name=uid, config=cfg, a={}, bt={})
 
-    def _on_pool_event(self, event) -> None:
-        self.pending_events.append((self.now, event))
-
     def _push(self, t: float, kind: int, obj) -> None:
         self._seq += 1
         heapq.heappush(self.heap, (t, self._seq, kind, obj))
 
     def _sync(self) -> None:
         """Deliver events at least ``lag_s`` old to the directory; the router pulls the delta."""
-        cutoff = self.now - self.config.lag_s
-        pending = self.pending_events
-        batch: dict[str, list] = {}
-        while pending and pending[0][0] <= cutoff:
-            event = pending.popleft()[1]
-            batch.setdefault(event.replica_id, []).append(event)
-        directory = self.directory
-        for rid, events in batch.items():
-            directory.apply_events(rid, events)
-        version, changes = directory.changes_since(self.view_version)
-        if changes is None:
-            reply = {"epoch": "sim", "version": version, "full": directory.full_view()}
-        elif changes:
-            reply = {"epoch": "sim", "version": version, "changes": changes}
-        else:
-            return  # the long poll returns only when there is news
-        self.router.apply_directory_reply(reply)
-        self.view_version = version
+        self.feed.sync(self.router)
 
     # ------------------------------------------------------------------ replica
 
@@ -288,11 +269,9 @@ class Simulator:
         self.requests = reqs = [SimRequest(i, adapter_uid(a), arrivals[i], ins[i], outs[i], int(ranks[a]))
                                 for i, a in enumerate(adapters)]
         self.done = 0
-        if self.directory is not None:
+        if self.feed is not None:
             self._push(self.config.lag_s, _SYNC, None)
-            self.router.apply_directory_reply({"epoch": "sim", "version": self.directory.version,
-                                               "full": self.directory.full_view()})
-            self.view_version = self.directory.version
+            self.feed.start(self.router)
         heap = self.heap
         nxt = 0
         pop = heapq.heappop

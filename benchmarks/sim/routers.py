@@ -101,11 +101,11 @@ class AffinityRouter(_ViewRouter):
 
     def __init__(self, sim: Fleet):
         super().__init__(sim)
-        costs = sim.config.costs
-        host_s, disk_s = costs.load_seconds(16, True), costs.load_seconds(16, False)
-        self.config = RoutingConfig(tie_epsilon=sim.config.load_bound_epsilon, default_max_ongoing=sim.max_ongoing,
-                                    host_load_s=host_s, disk_load_s=disk_s,
-                                    default_request_s=costs.service_seconds(256, 256))
+        cfg, costs = sim.config, sim.config.costs
+        host_s, disk_s = cfg.prior_load_s or (costs.load_seconds(16, True), costs.load_seconds(16, False))
+        request_s = cfg.prior_request_s or costs.service_seconds(256, 256)
+        self.config = RoutingConfig(tie_epsilon=cfg.load_bound_epsilon, default_max_ongoing=sim.max_ongoing,
+                                    host_load_s=host_s, disk_load_s=disk_s, default_request_s=request_s)
         self.local = LocalRouterState(clock=lambda: sim.now)
         self.caps = [float(sim.max_ongoing)] * len(sim.ids)
 

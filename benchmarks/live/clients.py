@@ -1,0 +1,79 @@
+"""Closed-loop load generators for ``routing_live``, each in its own process with its own router.
+
+Serve creates one request router per handle-holding process, so the number of client
+actors is the number of routers: one reproduces a single proxy or driver, three the
+"many routers" case (ingress replicas, proxies on several nodes). Each client reports
+its own CPU seconds (``time.process_time``: every thread, the router's included), which
+is the cost of routing in the process that hosts the router.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import Optional
+
+import ray
+
+
+@ray.remote(num_cpus=0)
+class LoadClient:
+    def __init__(self, app: str, deployment: str, multiplexed: bool):
+        from ray import serve
+
+        self.handle = serve.get_deployment_handle(deployment, app_name=app)
+        self.multiplexed = multiplexed
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    async def run(self, requests: list[tuple[str, str, int]], concurrency: int) -> dict:
+        """Send ``(adapter, prompt, max_tokens)`` requests from ``concurrency`` closed-loop clients."""
+        from engine.request import GenerateRequest
+
+        latencies = [0.0] * len(requests)
+        replicas: list[Optional[str]] = [None] * len(requests)
+        errors: list[str] = []
+        next_index = 0
+
+        def send(adapter: str, prompt: str, max_tokens: int):
+            request = GenerateRequest(adapter=adapter, prompt=prompt, max_tokens=max_tokens, temperature=0.0)
+            handle = self.handle.options(multiplexed_model_id=adapter) if self.multiplexed else self.handle
+            return handle.generate.remote(request)
+
+        async def client():
+            nonlocal next_index
+            while next_index < len(requests):
+                i = next_index
+                next_index += 1
+                started = time.perf_counter()
+                try:
+                    result = await send(*requests[i])
+                    replicas[i] = result.replica_id
+                except Exception as exc:  # counted and reported, never silently dropped
+                    errors.append(f"{type(exc).__name__}: {exc}"[:200])
+                latencies[i] = time.perf_counter() - started
+
+        cpu, started = time.process_time(), time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(max(1, concurrency))))
+        return {"latencies": latencies, "replicas": replicas, "errors": errors,
+                "wall_s": time.perf_counter() - started, "cpu_s": time.process_time() - cpu}
+
+    def decisions(self) -> dict:
+        """This process's router's decision counts (our router only; empty for Serve's)."""
+        try:
+            router = self.handle._router._asyncio_router._request_router
+        except AttributeError:
+            return {}
+        return dict(getattr(router, "decisions", {}))
+
+
+def split(items: list, parts: int) -> list[list]:
+    """Round-robin: part ``k`` gets items ``k, k + parts, ...`` (every router sees the same mix)."""
+    return [items[k::parts] for k in range(parts)]
+
+
+def shares(total: int, parts: int) -> list[int]:
+    """``total`` split into ``parts`` near-equal integers, larger first."""
+    return [total // parts + (1 if k < total % parts else 0) for k in range(parts)]

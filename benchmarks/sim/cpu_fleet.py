@@ -1,0 +1,369 @@
+"""``routing_live``'s fleet in simulation: closed-loop clients, engines and control plane on shared cores.
+
+Why: the simulator may tune routing only once it reproduces what the live fleet does.
+This model is ``benchmarks.routing_live``'s setup (replicas x slots, ``max_ongoing`` =
+``max_batch``, S-LoRA traces, closed-loop clients at each concurrency) with:
+
+- the project's own ``LoRAMemoryPool`` (slots, LRU) and ``engine.scheduler.Scheduler``
+  (admission while the batch's adapters fit) per replica;
+- the routers of ``benchmarks.sim.routers``: ``affinity`` (the product's policy, view and
+  local state, fed by a lagged directory), ``multiplex`` (Serve's multiplexing) and
+  ``pow2`` (Serve's default);
+- an engine that steps: each step costs ``step_base_s + step_per_seq_s * batch`` CPU
+  seconds (measured on the demo engine, ``measure_engine_steps``) plus the loads it
+  makes (host-tier copies, disk reads), and gives every running request one token;
+- the control plane's CPU, charged per request from a live run: the client process
+  hosting the router (as latency before the request is routed, and as CPU), the
+  directory and the metrics agent, and the workers' own per-request work (Serve's
+  request handling) -- all on the same ``cores`` as the engines: while they run, each
+  busy engine gets ``(cores - control-plane CPU rate) / busy engines`` of a core.
+
+Loads: a variant on the product's worker reads an adapter from disk the first time a
+replica uses it and copies it from the host tier after; the multiplexing baseline's
+every load is a registration (a disk read), and Serve's LRU drops a replica's
+least recently used model when it holds more than ``slots``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from engine.scheduler import Scheduler
+from pool.adapter import AdapterConfig, LoRAAdapterWeights
+from pool.memory_pool import LoRAMemoryPool, batch_order
+from pool.shapes import LoRAModelShape
+
+from .config import SimConfig, SimRequest
+from .costs import CostModel
+from .feed import DirectoryFeed
+from .routers import ROUTERS
+
+VARIANT_ROUTER = {"affinity": "affinity", "multiplexed": "multiplex", "pow2": "pow2"}
+_STEP, _ARRIVE, _RETRY, _SYNC = 1, 2, 3, 4
+
+
+@dataclass(frozen=True)
+class ControlPlaneCpu:
+    """CPU seconds per request outside the engines, for one variant (from a live run)."""
+
+    router_s: float = 0.0        # the client process that hosts the router
+    directory_s: float = 0.0
+    metrics_agent_s: float = 0.0
+    replica_s: float = 0.0       # the workers' per-request work besides engine steps
+
+    @property
+    def total_s(self) -> float:
+        return self.router_s + self.directory_s + self.metrics_agent_s + self.replica_s
+
+
+@dataclass(frozen=True)
+class CpuFleetConfig:
+    variant: str = "affinity"
+    replicas: int = 2
+    slots: int = 4
+    max_batch: int = 8
+    cores: float = 2.0
+    step_base_s: float = 0.004       # CPU seconds of one engine step ...
+    step_per_seq_s: float = 0.002    # ... plus this per running request
+    host_load_s: float = 0.0001      # a host-tier copy into a slot
+    disk_load_s: float = 0.002       # a read from disk into the host tier
+    control: ControlPlaneCpu = field(default_factory=ControlPlaneCpu)
+    lag_s: float = 0.05              # pool event -> router view
+    rate_window_s: float = 2.0       # the control plane's CPU rate is averaged over this
+    load_bound_epsilon: float = 0.25
+    seed: int = 0
+
+
+@dataclass
+class CpuFleetResult:
+    variant: str
+    concurrency: int
+    requests: int
+    req_per_s: float
+    p50_ms: float
+    p99_ms: float
+    loads: int
+    engine_share: float   # mean share of a core each busy engine got
+
+
+class _Client:
+    __slots__ = ("queue",)
+
+    def __init__(self, queue: deque):
+        self.queue = queue
+
+
+class _Replica:
+    __slots__ = ("idx", "rid", "pool", "sched", "registered", "busy", "tokens")
+
+    def __init__(self, idx: int, rid: str, cfg: CpuFleetConfig, fetch, listener):
+        self.idx, self.rid = idx, rid
+        self.pool = LoRAMemoryPool(LoRAModelShape(num_layers=0, modules={}), cfg.slots, 64, fetch,
+                                   replica_id=rid)
+        if listener is not None:
+            self.pool.subscribe(listener)
+        pool = self.pool
+        self.sched: Scheduler[SimRequest] = Scheduler(pool.validate_lora_batch, lambda u: u in pool.pinned,
+                                                      cfg.max_batch, 16)
+        self.registered: OrderedDict[str, None] = OrderedDict()  # adapters read into this replica (LRU order)
+        self.busy = False
+        self.tokens: dict[int, int] = {}  # request index -> tokens still to generate
+
+
+class CpuFleet:
+    """One variant, one concurrency level, one request list (``(adapter, prompt chars, max_tokens)``)."""
+
+    def __init__(self, requests: list[tuple[str, str, int]], concurrency: int, cfg: CpuFleetConfig):
+        self.cfg = cfg
+        self.now = 0.0
+        self.ids = tuple(f"replica-{i:04d}" for i in range(cfg.replicas))
+        self.max_ongoing = cfg.max_batch
+        self.ongoing = np.zeros(cfg.replicas, dtype=np.float64)
+        self.config = SimConfig(replicas=cfg.replicas, router=VARIANT_ROUTER[cfg.variant], slots=cfg.slots,
+                                max_batch=cfg.max_batch, lag_s=cfg.lag_s, load_bound_epsilon=cfg.load_bound_epsilon,
+                                seed=cfg.seed, costs=CostModel(), warmup_fraction=0.0,
+                                prior_load_s=(cfg.host_load_s, cfg.disk_load_s),
+                                prior_request_s=8 * (cfg.step_base_s + cfg.step_per_seq_s))
+        self.router = ROUTERS[self.config.router](self)
+        self.feed: Optional[DirectoryFeed] = None
+        listener = None
+        if self.router.uses_view:
+            self.feed = DirectoryFeed(lambda: self.now, cfg.lag_s)
+            listener = self.feed.on_pool_event
+        self.replicas = [_Replica(i, rid, cfg, self._fetch, listener) for i, rid in enumerate(self.ids)]
+        self.requests = [SimRequest(i, a, 0.0, len(p), n, 16) for i, (a, p, n) in enumerate(requests)]
+        self.concurrency = concurrency
+        self.heap: list = []
+        self._seq = 0
+        self.pending: deque[SimRequest] = deque()   # arrived, not yet being routed
+        self.active: list[SimRequest] = []          # being routed (Serve's routing tasks), oldest first
+        self.routing_tasks = 2 * cfg.replicas
+        self.cpu_log: deque[tuple[float, float]] = deque()  # (time, control-plane CPU seconds spent)
+        self.share_sum = self.share_n = 0.0
+        self.loads = 0
+        self.done = 0
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _fetch(self, uid: str) -> LoRAAdapterWeights:
+        return LoRAAdapterWeights(name=uid, config=AdapterConfig(rank=16, alpha=32.0, use_rslora=False,
+                                                                 target_modules=()), a={}, bt={})
+
+    def _push(self, t: float, kind: int, obj) -> None:
+        self._seq += 1
+        heapq.heappush(self.heap, (t, self._seq, kind, obj))
+
+    def _control_rate(self) -> float:
+        """Control-plane CPU seconds per second over the last ``rate_window_s``."""
+        window = self.cfg.rate_window_s
+        log = self.cpu_log
+        while log and log[0][0] < self.now - window:
+            log.popleft()
+        return sum(c for _, c in log) / window
+
+    def _engine_share(self) -> float:
+        busy = sum(1 for r in self.replicas if r.busy) or 1
+        spare = max(0.05, self.cfg.cores - self._control_rate())
+        return min(1.0, spare / busy)
+
+    # ------------------------------------------------------------------ clients and routing
+
+    def _issue(self, req: SimRequest) -> None:
+        """A client sends ``req``: its router's CPU is latency before routing (and load on the cores)."""
+        req.arrival = self.now
+        cpu = self.cfg.control
+        self.cpu_log.append((self.now, cpu.total_s))
+        contention = max(1.0, (self._control_rate() + sum(r.busy for r in self.replicas)) / self.cfg.cores)
+        self._push(self.now + cpu.router_s * contention, _ARRIVE, req)
+
+    def _arrive(self, req: SimRequest) -> None:
+        """Serve queues requests FIFO and routes at most ``routing_tasks`` of them at a time."""
+        self.pending.append(req)
+        self._pump()
+
+    def _pump(self) -> None:
+        while self.pending and len(self.active) < self.routing_tasks:
+            req = self.pending.popleft()
+            self.active.append(req)
+            self._route(req)
+
+    def _route(self, req: SimRequest) -> None:
+        if req.replica >= 0 or req not in self.active:
+            return  # a poll or retry for a request already placed
+        idx = self.router.route(req, self.now)
+        if idx is not None:
+            self.active.remove(req)
+            self._dispatch(req, idx)
+            self._pump()
+            return
+        req.attempt += 1
+        if self.router.waits_for_capacity:  # woken by a completion, or polls
+            self._push(self.now + self.config.capacity_poll_s, _RETRY, req)
+        else:  # Serve's backoff: 25 ms doubling to 0.5 s
+            delay = min(self.config.backoff_initial_s * 2 ** (req.attempt - 1), self.config.backoff_max_s)
+            self._push(self.now + delay, _RETRY, req)
+
+    def _dispatch(self, req: SimRequest, idx: int) -> None:
+        req.replica = idx
+        req.t_dispatch = self.now
+        self.ongoing[idx] += 1
+        replica = self.replicas[idx]
+        replica.sched.add(req)
+        if not replica.busy:
+            replica.busy = True
+            self._push(self.now, _STEP, replica)
+
+    # ------------------------------------------------------------------ engine
+
+    def _step(self, replica: _Replica) -> None:
+        """A step boundary: requests whose last token came in the step that just ended complete;
+        then admit, load what the batch lacks, and give every running request a token."""
+        cfg = self.cfg
+        for req in [r for r in replica.sched.running if replica.tokens.get(r.i, 1) <= 0]:
+            self._finish(replica, req)
+        for req in replica.sched.admit():
+            replica.tokens[req.i] = req.out_len
+        running = replica.sched.running
+        if not running:
+            replica.busy = False
+            replica.pool.release_batch()
+            return
+        uids = replica.sched.running_uids()
+        missing = [u for u in batch_order(uids) if u is not None and not replica.pool.is_resident(u)]
+        replica.pool.prepare_lora_batch(uids)
+        stall = 0.0
+        for uid in missing:
+            self.loads += 1
+            stall += cfg.host_load_s + self._read(replica, uid)
+        share = self._engine_share()
+        self.share_sum += share
+        self.share_n += 1
+        for req in running:
+            replica.tokens[req.i] -= 1
+        self._push(self.now + (cfg.step_base_s + cfg.step_per_seq_s * len(running)) / share + stall, _STEP, replica)
+
+    def _read(self, replica: _Replica, uid: str) -> float:
+        """Seconds to read ``uid`` from disk for this load (0 when the replica's host tier has it)."""
+        registered = replica.registered
+        if uid in registered:
+            registered.move_to_end(uid)
+            return 0.0
+        registered[uid] = None
+        if self.cfg.variant == "multiplexed":
+            while len(registered) > self.cfg.slots:  # Serve's LRU unloads the model, host copy and all
+                registered.popitem(last=False)
+            return self.cfg.disk_load_s
+        return self.cfg.disk_load_s
+
+    def _finish(self, replica: _Replica, req: SimRequest) -> None:
+        req.t_done = self.now
+        replica.sched.finish(req)
+        replica.tokens.pop(req.i, None)
+        self.ongoing[replica.idx] -= 1
+        replica.pool.retain_batch(replica.sched.running_uids())
+        self.done += 1
+        self.router.finished(req)
+        if self.router.waits_for_capacity:
+            for waiting in list(self.active):
+                self._route(waiting)
+        self._next(req)
+
+    # ------------------------------------------------------------------ loop
+
+    def _next(self, finished: Optional[SimRequest]) -> None:
+        if self._cursor < len(self.requests):
+            req = self.requests[self._cursor]
+            self._cursor += 1
+            self._issue(req)
+
+    def run(self) -> CpuFleetResult:
+        started = time.perf_counter()
+        self._cursor = 0
+        if self.feed is not None:
+            self.feed.start(self.router)
+            self._push(self.cfg.lag_s, _SYNC, None)
+        for _ in range(min(self.concurrency, len(self.requests))):
+            self._next(None)
+        n = len(self.requests)
+        while self.done < n and self.heap:
+            when, _, kind, obj = heapq.heappop(self.heap)
+            self.now = when
+            if kind == _STEP:
+                self._step(obj)
+            elif kind == _ARRIVE:
+                self._arrive(obj)
+            elif kind == _RETRY:
+                self._route(obj)
+            else:
+                self.feed.sync(self.router)
+                self._push(when + self.cfg.lag_s, _SYNC, None)
+        lat = np.array([r.t_done - r.arrival for r in self.requests]) * 1000.0
+        first = min(r.arrival for r in self.requests)
+        wall = max(r.t_done for r in self.requests) - first
+        del started
+        return CpuFleetResult(self.cfg.variant, self.concurrency, n, n / wall if wall > 0 else float("nan"),
+                              float(np.percentile(lat, 50)), float(np.percentile(lat, 99)), self.loads,
+                              self.share_sum / max(1, self.share_n))
+
+
+def run_cpu_fleet(requests: list[tuple[str, str, int]], concurrency: int, cfg: CpuFleetConfig,
+                  warmup: Optional[list[tuple[str, str, int]]] = None) -> CpuFleetResult:
+    """Warm-up pass (not counted) then the measured pass, on one fleet (pools stay warm between them)."""
+    fleet = CpuFleet((warmup or []) + requests, concurrency, cfg)
+    result = fleet.run()
+    if warmup:
+        measured = fleet.requests[len(warmup):]
+        lat = np.array([r.t_done - r.arrival for r in measured]) * 1000.0
+        wall = max(r.t_done for r in measured) - min(r.arrival for r in measured)
+        result = CpuFleetResult(cfg.variant, concurrency, len(measured), len(measured) / wall,
+                                float(np.percentile(lat, 50)), float(np.percentile(lat, 99)),
+                                result.loads, result.engine_share)
+    return result
+
+
+def measure_engine_steps(batch_sizes: tuple[int, ...] = (1, 2, 4, 8), tokens: int = 24,
+                         repeats: int = 3) -> tuple[float, float]:
+    """(step_base_s, step_per_seq_s): the demo engine's seconds per step against the batch size,
+    measured here with one torch thread (as each worker replica runs), fitted by least squares."""
+    import asyncio
+
+    import torch
+
+    from deployments.config import AppArgs
+    from engine.demo import ensure_demo_assets
+    from engine.engine import LoRAEngine
+    from engine.request import GenerateRequest
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    assets = ensure_demo_assets()
+    engine = LoRAEngine(AppArgs(base_model=str(assets.model_dir), max_loras_per_batch=4, max_lora_rank=16,
+                                max_batch_size=max(batch_sizes), max_model_len=256).engine_config())
+
+    async def batch(size: int) -> tuple[float, int]:
+        started = time.perf_counter()
+        results = await asyncio.gather(*(engine.generate(GenerateRequest(adapter=name, prompt="hello there",
+                                                                         max_tokens=tokens))
+                                         for _ in range(size)))
+        return time.perf_counter() - started, max(r.completion_tokens for r in results) + 1  # + the prefill step
+
+    try:
+        name, path = next(iter(assets.adapters.items()))
+        engine.register_adapter(name, str(path))
+        asyncio.run(batch(1))
+        xs, ys = [], []
+        for size in batch_sizes:
+            seconds = min(asyncio.run(batch(size)) for _ in range(repeats))  # (wall, steps) of the fastest
+            xs.append(size)
+            ys.append(seconds[0] / seconds[1])
+        slope, intercept = np.polyfit(np.array(xs, dtype=float), np.array(ys), 1)
+        return max(float(intercept), 1e-4), max(float(slope), 0.0)
+    finally:
+        engine.shutdown()
+        torch.set_num_threads(threads)

@@ -1,0 +1,104 @@
+"""Does the simulator reproduce the live fleet? ``routing_live``'s cells, simulated, ranked alike.
+
+Inputs from a ``routing_live --json`` run: its settings (replicas, slots, batch, traces,
+concurrency levels, load costs) and each variant's control-plane CPU per request (the
+median over its rows of the router's process, the directory and the metrics agent; the
+workers' per-request work besides engine steps from its concurrency-1 rows). The engine's
+step cost is measured here (``cpu_fleet.measure_engine_steps``), not taken from the run.
+Throughput and latency are what the model predicts; they are then compared with the run:
+for every cell (setting, load cost, concurrency) and every pair of variants whose live
+req/s differ by more than ``margin``, the simulation must order the pair the same way.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Sequence
+
+from ..routing_live import Setting, build_requests, requests_per_row
+from .cpu_fleet import ControlPlaneCpu, CpuFleetConfig, run_cpu_fleet
+
+VARIANTS = ("affinity", "multiplexed", "pow2")
+
+
+def _median(rows: Sequence[dict], key: str) -> float:
+    values = [r[key] for r in rows if r.get(key) is not None]
+    return statistics.median(values) / 1000.0 if values else 0.0
+
+
+def calibrate(live_rows: Sequence[dict], step_base_s: float, step_per_seq_s: float,
+              mean_tokens: float) -> dict[str, ControlPlaneCpu]:
+    """Each variant's control-plane CPU seconds per request, from its live rows (one router)."""
+    out = {}
+    for variant in VARIANTS:
+        rows = [r for r in live_rows if r["variant"] == variant and r["routers"] == 1]
+        if not rows:
+            continue
+        solo = [r for r in rows if r["concurrency"] == 1] or rows
+        engine_s = mean_tokens * (step_base_s + step_per_seq_s)  # one request's engine work at batch 1
+        out[variant] = ControlPlaneCpu(router_s=_median(rows, "router_cpu_ms"),
+                                       directory_s=_median(rows, "directory_cpu_ms"),
+                                       metrics_agent_s=_median(rows, "metrics_agent_cpu_ms"),
+                                       replica_s=max(0.0, _median(solo, "workers_cpu_ms") - engine_s))
+    return out
+
+
+def simulate_live(live: dict, step_base_s: float, step_per_seq_s: float) -> list[dict]:
+    """The live run's one-router cells, simulated with its settings and calibration."""
+    meta = live["metadata"]["settings"]
+    rows = [r for r in live["rows"] if r["routers"] == 1]
+    chosen = meta["settings_run"]
+    settings = {"fits": Setting("fits", min(meta["fits_adapters"], meta["replicas"] * meta["slots"]), meta["alpha"]),
+                "skew": Setting("skew", meta["skew_adapters"], meta["alpha"])}
+    order = [s for s in ("fits", "skew") if s in chosen]
+    args = type("Args", (), {"requests": meta.get("requests"), "quick": meta.get("quick", False)})()
+    mean_tokens = 12.0  # routing_live draws 8-16 new tokens
+    control = calibrate(rows, step_base_s, step_per_seq_s, mean_tokens)
+    costs = meta["costs"]
+    out = []
+    for (setting_name, cost, c) in sorted({(r["setting"], r["cost"], r["concurrency"]) for r in rows}):
+        i = order.index(setting_name)
+        setting = settings[setting_name]
+        requests = build_requests(setting, requests_per_row(c, args), meta["seed"] + 100 * i)
+        warmup = build_requests(setting, max(48, requests_per_row(1, args) // 2), meta["seed"] + 100 * i + 1)
+        for variant in VARIANTS:
+            if variant not in control:
+                continue
+            cfg = CpuFleetConfig(variant=variant, replicas=meta["replicas"], slots=meta["slots"],
+                                 max_batch=meta["max_batch_size"], step_base_s=step_base_s,
+                                 step_per_seq_s=step_per_seq_s, host_load_s=max(costs[cost]["host_s"], 1e-4),
+                                 disk_load_s=max(costs[cost]["disk_s"], 2e-3), control=control[variant],
+                                 load_bound_epsilon=meta["load_bound_epsilon"], seed=meta["seed"])
+            result = run_cpu_fleet(requests, c, cfg, warmup=warmup)
+            out.append({"setting": setting_name, "cost": cost, "concurrency": c, "variant": variant,
+                        "sim_req_per_s": result.req_per_s, "sim_p50_ms": result.p50_ms, "sim_p99_ms": result.p99_ms,
+                        "sim_loads_per_1k": 1000.0 * result.loads / (len(requests) + len(warmup)),
+                        "engine_share": result.engine_share})
+    live_by = {(r["setting"], r["cost"], r["concurrency"], r["variant"]): r for r in rows}
+    for r in out:
+        lr = live_by[(r["setting"], r["cost"], r["concurrency"], r["variant"])]
+        r.update(live_req_per_s=lr["req_per_s"], live_p50_ms=lr["p50_ms"], live_p99_ms=lr["p99_ms"])
+    return out
+
+
+def ranking_agreement(rows: Sequence[dict], margin: float = 0.10) -> tuple[int, int, list[str]]:
+    """(pairs ordered alike, pairs the live run orders, disagreements): by req/s, per cell, only
+    pairs whose live req/s differ by more than ``margin`` (closer ones are ties at this noise)."""
+    cells: dict[tuple, dict[str, dict]] = {}
+    for r in rows:
+        cells.setdefault((r["setting"], r["cost"], r["concurrency"]), {})[r["variant"]] = r
+    agreed, ordered, wrong = 0, 0, []
+    for cell, by in sorted(cells.items()):
+        names = sorted(by)
+        for k, a in enumerate(names):
+            for b in names[k + 1:]:
+                la, lb = by[a]["live_req_per_s"], by[b]["live_req_per_s"]
+                if max(la, lb) <= (1 + margin) * min(la, lb):
+                    continue
+                ordered += 1
+                if (la > lb) == (by[a]["sim_req_per_s"] > by[b]["sim_req_per_s"]):
+                    agreed += 1
+                else:
+                    wrong.append(f"{cell[0]}/{cell[1]}/c={cell[2]}: live {a} {la:.1f} vs {b} {lb:.1f} req/s, "
+                                 f"sim {by[a]['sim_req_per_s']:.1f} vs {by[b]['sim_req_per_s']:.1f}")
+    return agreed, ordered, wrong
