@@ -9,6 +9,7 @@ key-value store and read back when the directory starts again.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import uuid
@@ -20,7 +21,7 @@ from pool.errors import AdapterNotFoundError
 from routing.directory import AdapterDirectory
 
 from .metrics import DirectoryMetrics
-from .registry import RegistryEntry
+from .registry import RegistryEntry, RegistryWriteError
 
 log = logging.getLogger("ray.serve")
 KV_NAMESPACE = "lorafleet"
@@ -78,11 +79,21 @@ class AdapterDirectoryActor:
         log.info("lorafleet directory: restored %d registry entries from GCS", len(entries))
         return {e["name"]: RegistryEntry.from_dict(e) for e in entries}
 
-    def _save_registry(self) -> None:
+    def _commit_registry(self, registry: dict[str, RegistryEntry]) -> None:
+        """Write ``registry`` to the GCS store first; only once it is durable does it take effect.
+
+        A failed write raises ``RegistryWriteError`` (503) and leaves the registry as it was, so an
+        acknowledged change is never lost to a directory restart.
+        """
         from ray.experimental.internal_kv import _internal_kv_put
 
-        data = json.dumps([e.to_dict() for e in self.registry.values()]).encode()
-        _internal_kv_put(self._kv_key(), data, overwrite=True, namespace=KV_NAMESPACE)
+        data = json.dumps([e.to_dict() for e in registry.values()]).encode()
+        try:
+            _internal_kv_put(self._kv_key(), data, overwrite=True, namespace=KV_NAMESPACE)
+        except Exception as exc:  # the GCS is unreachable or refused the write
+            raise RegistryWriteError(f"the adapter registry could not be saved ({type(exc).__name__}); "
+                                     f"nothing was changed, retry") from None
+        self.registry = registry
         self._registry_changes.bump()
 
     def put_adapter(self, entry: dict, *, if_absent: bool = True) -> dict:
@@ -91,26 +102,23 @@ class AdapterDirectoryActor:
         current = self.registry.get(new.name)
         if current is not None and if_absent:
             return current.to_dict()
-        self.registry[new.name] = new
-        self._save_registry()
+        self._commit_registry({**self.registry, new.name: new})
         return new.to_dict()
 
     def remove_adapter(self, name: str) -> dict:
-        entry = self.registry.pop(name, None)
+        entry = self.registry.get(name)
         if entry is None:
             raise AdapterNotFoundError(f"adapter {name!r} is not registered")
-        self._save_registry()
+        self._commit_registry({n: e for n, e in self.registry.items() if n != name})
         return entry.to_dict()
 
     def set_pinned(self, name: str, pinned: bool, replicas: Optional[int] = None) -> dict:
         entry = self.registry.get(name)
         if entry is None:
             raise AdapterNotFoundError(f"adapter {name!r} is not registered")
-        entry.pinned = pinned
-        if replicas is not None:
-            entry.replicas = replicas
-        self._save_registry()
-        return entry.to_dict()
+        changed = dataclasses.replace(entry, pinned=pinned, replicas=entry.replicas if replicas is None else replicas)
+        self._commit_registry({**self.registry, name: changed})
+        return changed.to_dict()
 
     async def get_registry(self, since_version: int = -1, timeout_s: float = 0.0) -> dict:
         """Long poll: returns at once if the registry moved past ``since_version``."""

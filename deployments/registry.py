@@ -6,6 +6,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
+from pool.errors import LoRAFleetError
+
+
+class RegistryWriteError(LoRAFleetError):
+    """The fleet's adapter registry could not be written durably; nothing changed."""
 
 
 @dataclass

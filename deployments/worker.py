@@ -243,6 +243,7 @@ class LoRAWorker:
             await asyncio.to_thread(self.engine.unregister_uid, uid, self.args.drain_timeout_s)
         finally:
             self._retiring.discard(uid)
+            self._load_locks.pop(uid, None)  # per-uid state goes with the uid
 
     async def _pin_loop(self) -> None:
         """Pins are desired state: one that could not be applied (busy slots, a replica just added or
