@@ -17,7 +17,8 @@ from torch import nn
 
 from pool.memory_pool import LoRAMemoryPool
 
-from .attention import StepLayout, make_attention
+from .attention import make_attention
+from .attention_layout import StepLayout
 from .kv_cache import PagedKVCache
 from .lora_layers import LoRABatchContext, LoRASegment
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.attention import StepLayout, TorchPagedAttention, choose_backend, make_attention
+from engine.attention import TorchPagedAttention, choose_backend, make_attention
+from engine.attention_layout import StepLayout
 from engine.block_allocator import BlockAllocator, KVCacheFullError, block_digest
 from engine.kv_cache import PagedKVCache, kv_budget_bytes, kv_bytes_per_token
 

@@ -10,7 +10,9 @@ import random
 import pytest
 import torch
 
-from engine.attention import FlashInferPagedAttention, StepLayout, TorchPagedAttention, choose_backend
+from engine.attention import TorchPagedAttention, choose_backend
+from engine.attention_flashinfer import FlashInferPagedAttention
+from engine.attention_layout import StepLayout
 from engine.kv_cache import PagedKVCache
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -1,0 +1,108 @@
+"""A step's token layout over the paged KV cache, built once per step and shared by every layer.
+
+Where each new token's K/V goes (block and offset), the positions the rotary embedding
+needs, and for decode rows the padded block ids to gather and the additive masks per
+sliding-window size (built on first use, then reused by the other layers).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+
+class StepLayout:
+    """Where a step's tokens go in the cache and which cached positions each one reads.
+
+    ``tables[i]`` is sequence i's block table, ``starts[i]`` its first new position,
+    ``counts[i]`` its number of new tokens; tokens are laid out sequence after sequence.
+    """
+
+    def __init__(self, tables: Sequence[Sequence[int]], starts: Sequence[int], counts: Sequence[int],
+                 block_size: int, device: torch.device):
+        self.block_size = block_size
+        self.device = device
+        self.tables = tables
+        self.starts = list(starts)
+        self.counts = list(counts)
+        self.kv_lens = [s + n for s, n in zip(starts, counts)]
+        blocks: list[int] = []
+        offsets: list[int] = []
+        positions: list[int] = []
+        decode_seqs: list[int] = []
+        self.prefill_seqs: list[int] = []
+        self.token_offsets: list[int] = []
+        offset = 0
+        for i, (table, start, n) in enumerate(zip(tables, starts, counts)):
+            if len(table) * block_size < start + n:
+                raise ValueError(f"sequence {i}: {len(table)} blocks of {block_size} cannot hold {start + n} tokens")
+            self.token_offsets.append(offset)
+            for p in range(start, start + n):
+                blocks.append(table[p // block_size])
+                offsets.append(p % block_size)
+            positions.extend(range(start, start + n))
+            (decode_seqs if n == 1 else self.prefill_seqs).append(i)
+            offset += n
+        self.num_tokens = offset
+        self.write_blocks = torch.tensor(blocks, dtype=torch.long, device=device)
+        self.write_offsets = torch.tensor(offsets, dtype=torch.long, device=device)
+        self.positions = torch.tensor(positions, dtype=torch.long, device=device)
+        self.decode_seqs = decode_seqs
+        self._decode: Optional[_DecodeGather] = _DecodeGather(self, decode_seqs) if decode_seqs else None
+        self._prefill_gathers: dict[int, torch.Tensor] = {}
+
+    @property
+    def slots(self) -> torch.Tensor:
+        """Flat cache slot of each new token: ``block * block_size + offset``."""
+        return self.write_blocks * self.block_size + self.write_offsets
+
+    @property
+    def decode(self) -> Optional["_DecodeGather"]:
+        return self._decode
+
+    def prefill_gather(self, i: int) -> torch.Tensor:
+        """Block ids covering sequence i's whole context (for a prefill that continues a cached prefix)."""
+        if i not in self._prefill_gathers:
+            nb = -(-self.kv_lens[i] // self.block_size)
+            self._prefill_gathers[i] = torch.tensor(list(self.tables[i][:nb]), dtype=torch.long, device=self.device)
+        return self._prefill_gathers[i]
+
+
+class _DecodeGather:
+    """Decode rows (one new token each): padded block ids and an additive key mask per window size."""
+
+    def __init__(self, layout: StepLayout, seqs: list[int]):
+        bs = layout.block_size
+        device = layout.device
+        lens = [layout.kv_lens[i] for i in seqs]
+        nb = -(-max(lens) // bs)
+        padded = [list(layout.tables[i][: -(-n // bs)]) for i, n in zip(seqs, lens)]
+        self.blocks = torch.tensor([t + [t[0]] * (nb - len(t)) for t in padded], dtype=torch.long, device=device)
+        self.tokens = torch.tensor([layout.token_offsets[i] for i in seqs], dtype=torch.long, device=device)
+        self.lengths = torch.tensor(lens, dtype=torch.long, device=device)
+        self.span = nb * bs
+        self._masks: dict[Optional[int], torch.Tensor] = {}
+        self._biases: dict[tuple, torch.Tensor] = {}
+
+    def mask(self, window: Optional[int]) -> torch.Tensor:
+        """[B, span] booleans: key position < length (and within the window)."""
+        if window not in self._masks:
+            key_pos = torch.arange(self.span, device=self.lengths.device)
+            qpos = (self.lengths - 1)[:, None]
+            m = key_pos[None, :] <= qpos
+            if window:
+                m &= key_pos[None, :] > qpos - window
+            self._masks[window] = m
+        return self._masks[window]
+
+    def bias(self, window: Optional[int], kv_heads: int, dtype: torch.dtype) -> torch.Tensor:
+        """[kv_heads * B, 1, span]: 0 where a key is visible, -inf where not (KV-head-major, as the scores)."""
+        key = (window, kv_heads, dtype)
+        if key not in self._biases:
+            zero = torch.zeros((), dtype=dtype, device=self.lengths.device)
+            bias = torch.where(self.mask(window), zero, float("-inf"))
+            B = bias.shape[0]
+            self._biases[key] = bias[None, :, None, :].expand(kv_heads, B, 1, self.span).reshape(kv_heads * B, 1,
+                                                                                                  self.span)
+        return self._biases[key]
