@@ -24,7 +24,6 @@ class Sequence:
         self.block_table: list[int] = []       # KV blocks holding positions 0.. of prompt + output
         self.num_computed = 0                  # leading tokens whose K/V are in those blocks
         self.block_digests: list[bytes] = []   # prefix digests of the full blocks (engine.block_allocator)
-        self.arrival = -1                      # order of arrival, set by the scheduler: FIFO and preemption
         self.blocked_steps = 0
         self.cancel_reason: Optional[BaseException] = None
         self.tokens_at_cancel = 0              # output tokens when it was cancelled (steps spent after: the rest)
