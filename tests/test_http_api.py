@@ -265,6 +265,9 @@ def test_every_bad_input_gets_its_status_and_changes_nothing(fleet, bad_adapters
     rank_error = httpx.post(f"{http_base}/v1/adapters", headers=AUTH, timeout=60,
                             json={"name": "big", "source": bad_adapters["big"]}).json()["error"]["message"]
     assert "32" in rank_error and str(FLEET_ARGS["max_lora_rank"]) in rank_error  # both numbers
+    outside = httpx.post(f"{http_base}/v1/adapters", headers=AUTH, timeout=60,
+                         json={"name": "outside", "source": "/etc"}).json()["error"]["message"]
+    assert "/tmp" not in outside and "lorafleet-demo" not in outside  # the allow-list is not disclosed
     chunked = httpx.post(f"{http_base}/v1/completions", timeout=60, headers={"content-type": "application/json"},
                          content=(b"x" * 65536 for _ in range(40)))  # 2.6 MB, no Content-Length
     assert chunked.status_code == 413 and "exceeds" in chunked.json()["error"]["message"]

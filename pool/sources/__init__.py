@@ -28,7 +28,7 @@ def resolve_adapter_source(source: str, revision: Optional[str] = None,
         if not policy.allows_object(url):
             raise SourceNotAllowedError(
                 f"adapter source {url.url} is outside the allowed object-store prefixes "
-                f"{list(policy.object_store_prefixes or ())}")
+                f"(this server's object_store_prefixes)")
         return resolve_object_source(url, revision, NodeDownloadCache(policy.cache_root))
     if looks_local(source):
         return resolve_local_source(source, policy)

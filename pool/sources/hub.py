@@ -28,7 +28,7 @@ def resolve_hub_source(source: str, revision: Optional[str], policy: SourcePolic
     org = source.split("/", 1)[0]
     if not policy.allows_hub_org(org):
         raise SourceNotAllowedError(
-            f"hub organisation {org!r} of {source!r} is not in the allowed list {list(policy.hub_orgs or ())}")
+            f"hub organisation {org!r} of {source!r} is not in the allowed list (this server's hub_orgs)")
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         HfHubHTTPError,

@@ -18,7 +18,7 @@ def resolve_local_source(source: str, policy: SourcePolicy) -> ResolvedSource:
     real = Path(source).expanduser().resolve()
     if not policy.allows_folder(real):
         raise SourceNotAllowedError(
-            f"adapter source {source!r} is outside the allowed roots {list(policy.adapter_roots or ())}")
+            f"adapter source {source!r} is outside the allowed roots (this server's adapter_roots)")
     if not real.is_dir():
         raise AdapterNotFoundError(f"adapter source folder {source!r} does not exist")
     return ResolvedSource(real, "local", None)
