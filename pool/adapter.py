@@ -19,6 +19,7 @@ import torch
 from .errors import (
     AdapterFormatError,
     AdapterNotFoundError,
+    AdapterTooLargeError,
     CorruptWeightsError,
     PickleWeightsRefusedError,
     RankTooLargeError,
@@ -167,6 +168,15 @@ def _check_key_features(key: str, name: str) -> None:
         raise UnsupportedAdapterFeatureError(f"adapter {name!r} trains biases ({key})")
 
 
+HEADER_SLACK_BYTES = 1 << 20  # a safetensors header: names, dtypes, shapes
+
+
+def max_adapter_file_bytes(shape: LoRAModelShape, max_rank: int) -> int:
+    """The largest weights file a valid adapter could be: every module adapted at ``max_rank`` in fp64."""
+    elements = sum((m.in_features + m.out_features) * max_rank for m in shape.modules.values()) * shape.num_layers
+    return elements * 8 + HEADER_SLACK_BYTES
+
+
 def load_adapter_folder(
     folder: str | os.PathLike,
     shape: LoRAModelShape,
@@ -174,8 +184,13 @@ def load_adapter_folder(
     *,
     name: Optional[str] = None,
     dtype: torch.dtype = torch.float32,
+    max_bytes: Optional[int] = None,
 ) -> LoRAAdapterWeights:
-    """Read and validate a PEFT adapter folder; the result matches ``shape`` exactly."""
+    """Read and validate a PEFT adapter folder; the result matches ``shape`` exactly.
+
+    The weights file's size is checked before it is read: above ``max_bytes`` (default: the
+    largest file a valid adapter for ``shape`` and ``max_rank`` could be) it is refused.
+    """
     folder = Path(folder)
     name = name or folder.name
     if not folder.is_dir():
@@ -185,6 +200,11 @@ def load_adapter_folder(
     config = _read_config(folder, name)
     if config.rank > max_rank:
         raise RankTooLargeError(name, config.rank, max_rank)
+    limit = max_bytes if max_bytes is not None else max_adapter_file_bytes(shape, max_rank)
+    weights_file = folder / WEIGHTS_FILE
+    if weights_file.is_file() and weights_file.stat().st_size > limit:
+        raise AdapterTooLargeError(f"adapter {name!r}: {WEIGHTS_FILE} is {weights_file.stat().st_size} bytes, "
+                                   f"above the limit of {limit} bytes for this pool")
     tensors = _read_tensors(folder, name)
 
     pairs: dict[tuple[str, int], dict[str, torch.Tensor]] = {}

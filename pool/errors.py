@@ -69,6 +69,10 @@ class UnsupportedAdapterFeatureError(AdapterError):
     """DoRA, biases, modules_to_save, embedding/lm_head LoRA, added tokens."""
 
 
+class AdapterTooLargeError(AdapterError):
+    """The weights file is larger than any adapter this pool can hold could be (checked before reading)."""
+
+
 class SourceNotAllowedError(AdapterError):
     """The source lies outside the configured allow-lists (folders, hub organisations)."""
 

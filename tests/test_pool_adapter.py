@@ -238,3 +238,19 @@ def test_host_cache_is_lru_by_bytes(demo_assets, shape):
     assert "demo-0" not in tiny and tiny.stats.bytes_used == 0
     with pytest.raises(ValueError):
         HostAdapterCache(-1)
+
+
+def test_a_weights_file_larger_than_any_valid_adapter_is_refused_before_reading(demo_assets, shape, tmp_path):
+    import shutil
+
+    from pool.adapter import max_adapter_file_bytes
+    from pool.errors import AdapterTooLargeError
+
+    folder = shutil.copytree(demo_assets.adapters["demo-1"], tmp_path / "huge")
+    limit = max_adapter_file_bytes(shape, 16)
+    with open(folder / "adapter_model.safetensors", "ab") as f:
+        f.truncate(limit + 1)  # sparse: as large as the limit + 1 without writing it
+    with pytest.raises(AdapterTooLargeError, match=str(limit)):
+        load_adapter_folder(folder, shape, 16)
+    with pytest.raises(AdapterTooLargeError, match="100 bytes"):
+        load_adapter_folder(demo_assets.adapters["demo-1"], shape, 16, max_bytes=100)
