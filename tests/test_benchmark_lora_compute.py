@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-pytest.importorskip("peft")
-pytest.importorskip("transformers")
+import peft  # noqa: F401  (the test extra installs it; missing is a failure)
+import transformers  # noqa: F401  (the test extra installs it; missing is a failure)
 
 from benchmarks import common, lora_compute  # noqa: E402
 

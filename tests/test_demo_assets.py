@@ -24,8 +24,8 @@ from engine.demo import (
 )
 from pool.shapes import LoRAModelShape
 
-transformers = pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
+import transformers  # noqa: F401  (the test extra installs it; missing is a failure)
+import peft  # noqa: F401  (the test extra installs it; missing is a failure)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODEL_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}

@@ -13,7 +13,7 @@ from engine.engine import LoRAEngine
 from engine.model_runner import SeqInput
 from engine.request import GenerateRequest
 
-peft = pytest.importorskip("peft")
+import peft
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 PROMPTS = [[1, *range(40, 52)], [1, *range(70, 79)], [1, 100, 101, 102, 103, 104, 105]]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import shutil
 import threading
-import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 

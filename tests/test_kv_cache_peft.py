@@ -20,7 +20,7 @@ from engine.engine import LoRAEngine
 from engine.kv_cache import kv_bytes_per_token
 from engine.request import GenerateRequest
 
-peft = pytest.importorskip("peft")
+import peft
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 BLOCK = 4
