@@ -19,6 +19,9 @@ machine shares cores with the engines:
   so Serve asks it for its queue length;
 - metrics are counted locally and exported every ``metrics_export_interval_s`` from the
   feed thread, not one ``ray.util.metrics`` call per decision;
+- the directory feed is paced by traffic (one poll per ``requests_per_poll`` routed
+  requests at most, one per ``poll_timeout_s`` when idle), so its cost per request is
+  bounded at any request rate;
 - the candidate list, caps and view are cached until Serve's replica set or the view
   changes.
 
@@ -48,6 +51,7 @@ log = logging.getLogger("ray.serve")
 STATS_APPLY_INTERVAL_S = 0.1
 MAX_WAIT_PER_CALL_S = 1.0  # a waiting request is re-offered to Serve this often (replica set changes)
 REPEAT_WINDOW_S = 0.01     # the same request back this soon: Serve could not use our choice; wait first
+FEED_TICK_S = 0.05         # how often the feed thread checks whether a poll is due
 
 
 def request_adapter(pending_request: Optional[PendingRequest]) -> Optional[str]:
@@ -103,13 +107,14 @@ def check_router_kwargs(kwargs: dict) -> None:
 class AdapterAffinityRouter(RequestRouter):
     def initialize_state(self, load_bound_epsilon: float = 0.25, optimistic_ttl_s: float = 3.0,
                          directory_deployment: str = "AdapterDirectory", poll_timeout_s: float = 5.0,
-                         min_poll_interval_s: float = 0.5, host_load_s: float = 0.002, disk_load_s: float = 0.05,
+                         min_poll_interval_s: float = 0.1, host_load_s: float = 0.002, disk_load_s: float = 0.05,
                          default_request_s: float = 0.5, capacity_poll_s: float = 0.05,
-                         metrics_export_interval_s: float = 5.0) -> None:
+                         metrics_export_interval_s: float = 5.0, requests_per_poll: int = 8) -> None:
         """``load_bound_epsilon``: replicas whose expected completion times are within this many
         queued requests' wait of the best are a tie, broken by rendezvous order (larger: more
         affinity and agreement between routers; smaller: tighter balance). ``host_load_s`` /
-        ``disk_load_s`` / ``default_request_s``: priors until replicas report measured ones."""
+        ``disk_load_s`` / ``default_request_s``: priors until replicas report measured ones.
+        ``requests_per_poll``: the directory feed polls at most once per this many routed requests."""
         self.routing_config = RoutingConfig(tie_epsilon=load_bound_epsilon, host_load_s=host_load_s,
                                             disk_load_s=disk_load_s, default_request_s=default_request_s)
         self.view = RouterView(ttl_s=optimistic_ttl_s)
@@ -119,6 +124,8 @@ class AdapterAffinityRouter(RequestRouter):
         self.min_poll_interval_s = min_poll_interval_s  # batches bursts of deltas: one view rebuild each
         self.capacity_poll_s = capacity_poll_s
         self.metrics_export_interval_s = metrics_export_interval_s
+        self.requests_per_poll = requests_per_poll
+        self._routed = 0  # requests routed so far (paces the directory feed)
         self.decisions: Counter = Counter()  # affinity | spill | placement | base | wait | waited
         self._poll_thread: Optional[threading.Thread] = None
         self._epoch_seen: Optional[str] = None
@@ -234,6 +241,7 @@ class AdapterAffinityRouter(RequestRouter):
         adapter = request_adapter(pending_request)
         request_id = pending_request.metadata.internal_request_id
         self.local.routed(request_id, rid, adapter)
+        self._routed += 1
         self.view.record_decision(adapter, rid)
         kind = self._kinds.pop(request_id, None)
         if kind is not None:
@@ -272,11 +280,15 @@ class AdapterAffinityRouter(RequestRouter):
             self._poll_thread.start()
 
     def _poll_directory(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Long-poll the directory, paced by traffic: the next poll waits for ``requests_per_poll``
+        routed requests (or ``poll_timeout_s`` when idle), so the feed's cost per request stays
+        bounded whatever the request rate; a poll returns at once when the view has moved."""
         from ray import serve
 
         handle = None
         version = -1
-        exported = time.monotonic()
+        exported = last_poll = time.monotonic()
+        routed_at = -self.requests_per_poll  # the first poll goes out at once
         while not loop.is_closed():
             now = time.monotonic()
             if now - exported >= self.metrics_export_interval_s:
@@ -284,16 +296,19 @@ class AdapterAffinityRouter(RequestRouter):
                 last = self.view.last_update
                 self.metrics.lag_s = now - last if last else 0.0
                 self._export_metrics()
+            due = self._routed - routed_at >= self.requests_per_poll or now - last_poll >= self.poll_timeout_s
+            if not due or now - last_poll < self.min_poll_interval_s:
+                time.sleep(FEED_TICK_S)
+                continue
+            routed_at, last_poll = self._routed, now
             try:
                 if handle is None:
                     handle = serve.get_deployment_handle(self.directory_deployment, app_name=self.app_name)
-                started = time.monotonic()
                 timeout = min(self.poll_timeout_s, self.metrics_export_interval_s)
                 reply = handle.get_changes.remote(version, timeout).result(timeout_s=timeout + 10)
                 version = reply["version"] if "full" in reply or reply.get("epoch") == self._epoch_seen else -1
                 self._epoch_seen = reply.get("epoch")
                 loop.call_soon_threadsafe(self.view.apply_directory_reply, reply)
-                time.sleep(max(0.0, self.min_poll_interval_s - (time.monotonic() - started)))
             except Exception as exc:  # keep routing on what we have; try again shortly
                 log.debug("lorafleet router: directory poll failed: %r", exc)
                 version = -1

@@ -95,3 +95,36 @@ def test_a_separate_ray_driver_gets_completions_through_the_app_handle(fleet, ra
     assert fields["adapter"] == "demo-1" and fields["tokens"] == "8" and fields["replica"] in live_replicas(2)
     assert any(l.startswith("STREAM") for l in proc.stdout.splitlines())
     assert any(l.startswith("ADAPTER demo-1") for l in proc.stdout.splitlines())
+
+
+def test_three_routers_load_no_more_than_one(fleet, ray_cluster):
+    """Three processes, each with its own router, share the fleet: at the same total concurrency and
+    trace, a working set that fits the slots loads (after warm-up) no more than with one router."""
+    import ray
+
+    from benchmarks.live.clients import LoadClient, shares, split
+    from conftest import FLEET_APP
+
+    live_replicas(2)
+    trace = [(a, "agree", 3) for a in ["demo-1", "demo-2", "demo-3", "demo-4"] * 6]
+    clients = [LoadClient.remote(FLEET_APP, "LoRAWorker", False) for _ in range(3)]
+
+    def loads() -> int:
+        return sum(c.get("load", 0) for c in directory().adapter_counts.remote().result().values())
+
+    def run(routers: int) -> int:
+        before = loads()
+        parts = split(trace, routers)
+        results = ray.get([c.run.remote(p, s) for c, p, s in zip(clients[:routers], parts, shares(3, routers))])
+        assert all(not r["errors"] for r in results), [r["errors"] for r in results]
+        assert sum(len(r["replicas"]) for r in results) == len(trace)
+        return loads() - before
+
+    try:
+        run(1)
+        run(3)  # warm-up: every router has seen the placements
+        one, three = run(1), run(3)
+        assert three <= one + 2, (one, three)
+    finally:
+        for client in clients:
+            ray.kill(client)
