@@ -13,6 +13,12 @@ from .sse import CompletionStream
 from .traffic_split import families
 
 
+def text_chars(request: GenerateRequest) -> int:
+    """Every text field a request carries counts toward the prompt limit: prompt, messages, stops."""
+    messages = sum(len(str(value)) for m in request.messages or [] for value in m.values())
+    return len(request.prompt or "") + messages + sum(len(s) for s in request.stop_strings)
+
+
 def openai_router(ingress) -> APIRouter:
     """Routes bound to one ``LoRAFleetIngress`` replica (its registry, limiter and worker handles)."""
     router = APIRouter()
@@ -23,7 +29,7 @@ def openai_router(ingress) -> APIRouter:
 
     async def respond(body, chat: bool):
         request = to_generate_request(body, adapter_for_model(body.model), args.max_tokens_limit)
-        prompt_chars = len(request.prompt or "") + sum(len(m["content"]) for m in request.messages or [])
+        prompt_chars = text_chars(request)
         if prompt_chars > args.max_prompt_chars:
             raise InvalidRequestError("prompt", f"prompt of {prompt_chars} characters exceeds the limit of "
                                                 f"{args.max_prompt_chars}")
@@ -73,8 +79,7 @@ def openai_router(ingress) -> APIRouter:
         return await respond(body, chat=True)
 
     @router.get("/v1/models")
-    async def models():
-        await ingress.registry.refresh()
+    async def models():  # the ingress's own copy of the registry (followed by long poll): no directory call
         data = [{"id": args.base_model, "object": "model", "created": 0, "owned_by": "lorafleet",
                  "root": args.base_model, "parent": None}]
         for name, family in sorted(families(ingress.registry.entries.values()).items()):

@@ -126,3 +126,12 @@ def test_a_declared_length_over_the_limit_is_refused_before_reading():
 def test_a_body_under_the_limit_passes():
     status, body = _run_asgi(_echo_app(), [b"x" * 400, b"y" * 400], [(b"transfer-encoding", b"chunked")])
     assert status == 200 and body == {"bytes": 800}
+
+
+def test_every_text_field_counts_toward_the_prompt_limit():
+    from deployments.openai_routes import text_chars
+    from engine.request import GenerateRequest
+
+    request = GenerateRequest(messages=[{"role": "user", "content": "abcd"}], stop=["xy", "z"])
+    assert text_chars(request) == len("user") + 4 + 3
+    assert text_chars(GenerateRequest(prompt="hello")) == 5
