@@ -33,7 +33,9 @@ def build_fleet(parsed: AppArgs, worker_options: Optional[dict] = None) -> Appli
         request_router_config=RequestRouterConfig(
             request_router_class="routing.ray_router:AdapterAffinityRouter",
             request_router_kwargs=parsed.router_kwargs(),
-            request_routing_stats_period_s=1.0,
+            # a repair path beside the directory feed: each period the controller collects every replica's
+            # stats and pushes them to every router, which costs each of them CPU (measured: ~7 ms a push)
+            request_routing_stats_period_s=5.0,
         ),
     )
     options.update(worker_options or {})
