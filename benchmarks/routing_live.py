@@ -142,6 +142,17 @@ class Variant:
         self.loads()
         return time.perf_counter() - started
 
+
+def deploy_all(variants: list[Variant]) -> float:
+    """Deploy every variant's app at once (their replicas start in parallel); returns seconds."""
+    from ray.serve.api import RunTarget, run_many
+
+    started = time.perf_counter()
+    run_many([RunTarget(v.application(), name=v.app, route_prefix=None) for v in variants])
+    for v in variants:
+        v.loads()  # every worker up and reporting
+    return time.perf_counter() - started
+
     def set_load_cost(self, cost) -> None:
         """The injected load cost on every replica (``benchmarks/live/load_cost.py``), without a redeploy."""
         from ray import serve
@@ -417,12 +428,10 @@ def main(argv=None) -> list[dict]:
           f"concurrency {list(concurrencies)}, settings {chosen}, load costs {args.costs}, alpha {args.alpha}; "
           f"variants {args.variants} deployed side by side, measured in turns", flush=True)
     rows: list[dict] = []
-    deploy_s: dict[str, float] = {}
     variants = [Variant(name, args, num_adapters) for name in args.variants]
     try:
-        for v in variants:
-            deploy_s[v.name] = v.deploy()
-            print(f"{v.name}: deployed in {deploy_s[v.name]:.1f} s", flush=True)
+        deploy_s = deploy_all(variants)
+        print(f"deployed {[v.name for v in variants]} in {deploy_s:.1f} s", flush=True)
         for cost in args.costs:
             for v in variants:
                 v.set_load_cost(costs[cost])

@@ -3,16 +3,19 @@
 For each candidate replica ``i`` and a request for adapter ``a`` the expected completion
 time (ECT, seconds, the request's own run time left out: it is the same everywhere) is
 
-    queue wait      q_i * T_i / cap_i       the work ahead of it, drained cap_i at a time,
-                                            T_i seconds each (T_i: the replica's recent
+    queue wait      max(0, q_i + 1 - cap_i) * T_i / cap_i    until a row frees (a full
+                                            replica drains cap_i requests per T_i: its recent
                                             request time, measured)
+                  + q_i * batch_slowdown * T_i   what sharing a batch with q_i others costs
+                                            (decode steps are nearly flat in batch size)
   + slot wait       T_i * slot_wait_fraction when ``a`` cannot join the running batch now
                                             (every usable slot serves another adapter)
   + load            0 if ``a`` is resident; the replica's measured host-tier copy time if
                                             ``a`` is in its host tier; its disk read time else
-  + eviction        what the load evicts: the victim's chance of being asked for again soon
-                                            (its recent demand) times its reload time; within
-                                            a tie the least wanted victim goes first
+  + eviction        what the load evicts: the victim's chance of being asked for again within
+                                            demand_horizon request times (from its recent demand)
+                                            times its reload time; within a tie the least
+                                            wanted victim goes first
 
 The request goes to the minimum; candidates within ``tie_epsilon`` of one queued request's
 wait (T / cap) of the minimum are a tie, broken by the adapter's rendezvous order, so
@@ -46,6 +49,7 @@ SMALL_FLEET = 16  # up to this many replicas every one is scored; beyond, a boun
 @dataclass(frozen=True)
 class RoutingConfig:
     tie_epsilon: float = 0.25         # ECTs within this many queued requests' wait (T/cap) of the best tie
+    batch_slowdown: float = 0.01      # share of T one more running request adds (decode steps: ~1% on GPUs and here)
     default_request_s: float = 0.5    # a replica's request time before any is measured
     default_max_ongoing: int = 8      # cap when the caller gives none
     host_load_s: float = 0.002        # load-time priors until a replica reports measured ones
@@ -82,7 +86,7 @@ class FleetView:
     pinned: Optional[Sequence[frozenset]] = None       # pinned adapter names per replica
     host_load_s: Optional[Sequence[Optional[float]]] = None  # measured host-tier copy seconds
     disk_load_s: Optional[Sequence[Optional[float]]] = None  # measured disk read seconds
-    score_cache: Optional[dict] = None  # adapter -> rendezvous scores for these replica_ids (shareable)
+    score_cache: Optional[dict] = None  # adapter -> rendezvous scores and order for these replica_ids (shareable)
 
     def __post_init__(self) -> None:
         n = len(self.replica_ids)
@@ -91,44 +95,49 @@ class FleetView:
         if self.free_slots is None:
             self.free_slots = np.zeros(n, dtype=np.int64)
         self.free = [int(x) for x in self.free_slots]
-        self._scores: dict[str, list[int]] = self.score_cache if self.score_cache is not None else {}
-        self._order: dict[str, list[int]] = {}
+        self._scores: dict = self.score_cache if self.score_cache is not None else {}
 
-    def scores(self, adapter: str) -> list[int]:
-        """Rendezvous scores of ``adapter`` per replica (higher = earlier in its order), cached."""
+    def scores(self, adapter: str):
+        """Rendezvous scores of ``adapter`` per replica (higher = earlier in its order), cached: a list
+        for small fleets, the numpy array for large ones (compare them as ``int``)."""
         s = self._scores.get(adapter)
         if s is None:
-            s = self._scores[adapter] = rendezvous_scores(stable_hash(adapter), self.hashes).tolist()
+            arr = rendezvous_scores(stable_hash(adapter), self.hashes)
+            s = self._scores[adapter] = arr.tolist() if len(arr) <= SMALL_FLEET else arr
         return s
 
     def order(self, adapter: str, k: int) -> list[int]:
         """The first ``k`` replicas in ``adapter``'s rendezvous order, cached."""
-        o = self._order.get(adapter)
-        if o is None or len(o) < k:
+        key = (adapter, k)
+        o = self._scores.get(key)
+        if o is None:
             s = np.asarray(self.scores(adapter), dtype=np.uint64)
             k = min(k, len(s))
             top = np.argpartition(s, len(s) - k)[-k:] if k < len(s) else np.arange(len(s))
-            o = self._order[adapter] = sorted((int(i) for i in top), key=lambda i: -int(s[i]))
-        return o[:k]
+            o = self._scores[key] = sorted((int(i) for i in top), key=lambda i: -int(s[i]))
+        return o
 
 
 def choose_replicas(adapter: Optional[str], view: FleetView, loads: Sequence[float] | np.ndarray,
                     config: RoutingConfig = RoutingConfig(), *, caps: Optional[Sequence[float]] = None,
                     request_s: Optional[Sequence[Optional[float]]] = None,
                     active: Optional[Sequence[Mapping[Optional[str], int]]] = None,
-                    demand: Optional[Mapping[str, float]] = None) -> RoutingDecision:
+                    demand: Optional[Mapping[str, float]] = None,
+                    last_used: Optional[Sequence[Mapping[str, float]]] = None) -> RoutingDecision:
     """Rank candidates by expected completion time; see the module docstring.
 
     ``loads``: ongoing requests per replica (Serve's queue lengths). ``caps``: each one's
     ``max_ongoing_requests``. ``request_s``: recent seconds per request per replica (None:
     not measured). ``active``: adapters of the requests running on each replica (name ->
     count; ``None`` is the base model). ``demand``: recent requests per second per adapter.
+    ``last_used``: when each adapter was last sent to each replica (the victim a load evicts is
+    the least recently used, as the pools evict).
     """
     n = len(view.replica_ids)
     if n == 0:
         return RoutingDecision([], "none")
-    if isinstance(loads, np.ndarray):
-        loads = loads.tolist()
+    if n <= SMALL_FLEET and isinstance(loads, np.ndarray):
+        loads = loads.tolist()  # small fleets: plain floats are faster to index
     holders = view.holders.get(adapter, ()) if adapter is not None else ()
     warm = view.warm.get(adapter, ()) if adapter is not None else ()
     candidates = range(n) if n <= SMALL_FLEET else _candidates(adapter, view, loads, holders, config)
@@ -137,12 +146,13 @@ def choose_replicas(adapter: Optional[str], view: FleetView, loads: Sequence[flo
     join_check = active is not None and view.slots is not None
     free = view.free
     ect: dict[int, float] = {}
-    cost_class: dict[int, int] = {}  # 0 resident, 1 load into a free slot, 2+ load that evicts (+ victim's demand)
+    cost_class: dict[int, int] = {}  # 0 resident, 1 load into a free slot, 2 load that evicts
     best, best_e, best_tol = 0, float("inf"), 0.0
     for i in candidates:
         cap = caps[i] if caps is not None else cap_default
         t = (request_s[i] if request_s is not None else None) or t_default
-        e = loads[i] * t / cap
+        q = loads[i]
+        e = (q + 1 - cap if q + 1 > cap else 0.0) * t / cap + q * config.batch_slowdown * t
         if join_check and view.slots[i] and not _can_join(adapter, i, view, active):
             e += config.slot_wait_fraction * t
         if adapter is None or i in holders:
@@ -152,9 +162,9 @@ def choose_replicas(adapter: Optional[str], view: FleetView, loads: Sequence[flo
             if free[i] > 0:
                 cost_class[i] = 1
             else:
-                p = _victim_demand(view, i, active, demand, t, config)
-                cost_class[i] = 2 + int(p * 10)  # within a tie, evict the least wanted victim
-                e += p * _load_s(view, i, True, config)
+                cost_class[i] = 2
+                rate = _victim_demand(view, i, active, demand, last_used)
+                e += min(1.0, rate * config.demand_horizon * t) * _load_s(view, i, True, config)
         ect[i] = e
         if e < best_e:
             best, best_e, best_tol = i, e, config.tie_epsilon * t / cap
@@ -165,7 +175,7 @@ def choose_replicas(adapter: Optional[str], view: FleetView, loads: Sequence[flo
         tie_key = lambda i: (cost_class[i], loads[i], i)  # noqa: E731
     else:
         scores = view.scores(adapter)
-        tie_key = lambda i: (cost_class[i], -scores[i])  # noqa: E731
+        tie_key = lambda i: (cost_class[i], -int(scores[i]))  # noqa: E731
     tied = [i for i in ect if ect[i] <= limit]
     tied.sort(key=tie_key)
     best = tied[0]
@@ -208,17 +218,21 @@ def _load_s(view: FleetView, i: int, warm: bool, config: RoutingConfig) -> float
 
 
 def _victim_demand(view: FleetView, i: int, active: Optional[Sequence[Mapping]],
-                   demand: Optional[Mapping[str, float]], t: float, config: RoutingConfig) -> float:
-    """P(the least wanted evictable adapter on ``i`` is asked for within demand_horizon request
-    times): what a load there costs in reloads. Without residents or demand known, 0."""
+                   demand: Optional[Mapping[str, float]], last_used: Optional[Sequence[Mapping]]) -> float:
+    """Recent requests per second of the adapter a load on ``i`` would evict: the least recently
+    used evictable resident (by ``last_used``; without it, the least wanted). 0 when unknown."""
     if view.residents is None or not demand:
         return 0.0
     running = active[i] if active is not None else {}
     pinned = view.pinned[i] if view.pinned is not None else frozenset()
-    horizon = config.demand_horizon * t
-    victims = [min(1.0, demand.get(r, 0.0) * horizon) for r in view.residents[i]
-               if running.get(r, 0) <= 0 and r not in pinned]
-    return min(victims, default=0.0)  # nothing evictable: the slot wait already counts it
+    evictable = [r for r in view.residents[i] if running.get(r, 0) <= 0 and r not in pinned]
+    if not evictable:
+        return 0.0  # nothing evictable: the slot wait already counts it
+    if last_used is not None:
+        used = last_used[i]
+        victim = min(evictable, key=lambda r: used.get(r, float("-inf")))
+        return demand.get(victim, 0.0)
+    return min(demand.get(r, 0.0) for r in evictable)
 
 
 def _candidates(adapter: Optional[str], view: FleetView, loads: list, holders: Collection[int],

@@ -205,7 +205,8 @@ class AdapterAffinityRouter(RequestRouter):
             loads.append(q + local.pending.get(rid, 0))
         return choose_replicas(adapter, self.view.fleet_view(ids, adapter), loads, self.routing_config,
                                caps=self._caps, request_s=local.request_s_by_index(ids),
-                               active=local.active_by_index(ids), demand=local.demand)
+                               active=local.active_by_index(ids), demand=local.demand,
+                               last_used=local.last_used_by_index(ids))
 
     async def _wait_for_capacity(self) -> bool:
         """Until a request of ours completes or a replica reports room (True), or ``capacity_poll_s``

@@ -4,8 +4,9 @@
   replica's running batch now);
 - each replica's recent request time (seconds from send to completion, an EWMA): the
   ``T`` of the policy's queue wait;
-- each adapter's recent demand (requests per second, exponentially decayed): what an
-  eviction costs;
+- each adapter's recent demand (requests per second, exponentially decayed) and when it
+  was last sent to each replica: what an eviction costs (the pools evict the least
+  recently used);
 - decisions handed to Serve but not yet counted in its queue-length cache, so routing
   tasks that decide in the same instant do not all pick the one free row.
 
@@ -76,6 +77,7 @@ class LocalRouterState:
         self.request_time: dict[str, float] = {}              # replica -> EWMA seconds
         self.inflight: Counter = Counter()                     # replica -> requests in flight
         self.active: dict[str, Counter] = {}                   # replica -> adapter -> requests in flight
+        self.last_used: dict[str, dict] = {}                   # replica -> adapter -> when last sent there
         self._requests: dict[str, tuple[str, Optional[str], float]] = {}  # request id -> (replica, adapter, at)
         self._chosen: dict[str, tuple[str, float]] = {}        # request id -> (replica, expiry)
         self.pending: Counter = Counter()                      # replica -> chosen, not yet in Serve's cache
@@ -110,6 +112,7 @@ class LocalRouterState:
         self._requests[request_id] = (replica_id, adapter, self._clock())
         self.inflight[replica_id] += 1
         self.active.setdefault(replica_id, Counter())[adapter] += 1
+        self.last_used.setdefault(replica_id, {})[adapter] = self._clock()
         self.demand.add(adapter)
 
     def completed(self, request_id: str) -> Optional[str]:
@@ -131,7 +134,7 @@ class LocalRouterState:
         return replica_id
 
     def forget_replica(self, replica_id: str) -> None:
-        for table in (self.request_time, self.inflight, self.active, self.pending):
+        for table in (self.request_time, self.inflight, self.active, self.pending, self.last_used):
             table.pop(replica_id, None)
 
     def expire(self) -> None:
@@ -146,6 +149,9 @@ class LocalRouterState:
 
     def active_by_index(self, ids: Sequence[str]) -> ByIndex:
         return ByIndex(ids, self.active, _EMPTY)
+
+    def last_used_by_index(self, ids: Sequence[str]) -> ByIndex:
+        return ByIndex(ids, self.last_used, _EMPTY)
 
     def request_s_by_index(self, ids: Sequence[str]) -> ByIndex:
         """Measured request time per replica; an unmeasured replica gets the fleet's mean."""

@@ -31,9 +31,12 @@ def test_a_holder_with_room_wins():
 
 def test_the_less_loaded_holder_wins():
     loads = np.zeros(8)
-    loads[2] = 3
+    loads[2] = 6  # 6 * 1% of a request's time: more than the tie (a quarter of T / cap)
     decision = choose_replicas("a", view({"a": {2, 5}}), loads, caps=CAPS)
     assert decision.tiers == [[5]]
+    loads[2] = 1  # within the tie: the adapter's rendezvous order decides, whichever holder is less loaded
+    first = [i for i in order_of("a") if i in (2, 5)][0]
+    assert choose_replicas("a", view({"a": {2, 5}}), loads, caps=CAPS).tiers == [[first]]
 
 
 def test_a_cold_adapter_goes_to_its_rendezvous_replica_when_all_are_alike():
@@ -64,14 +67,21 @@ def test_queue_wait_trades_against_load_time():
     """The holder keeps the request until its queue wait exceeds the load elsewhere."""
     loads = np.zeros(2)
     ids = IDS[:2]
-    v = view({"a": {0}}, disk_s=0.1, ids=ids)
+    v = view({"a": {0}}, disk_s=0.05, ids=ids)
     kinds = []
-    for q in range(8):
+    for q in range(9):
         loads[0] = q
-        kinds.append(choose_replicas("a", v, loads, RoutingConfig(tie_epsilon=0.0), caps=[8, 8],
-                                     request_s=[0.4, 0.4]).kind)
-    # q * 0.4 / 8 > 0.1 from q = 3 on
-    assert kinds == ["affinity"] * 3 + ["spill"] * 5
+        kinds.append(choose_replicas("a", v, loads, RoutingConfig(tie_epsilon=0.0, batch_slowdown=0.02),
+                                     caps=[8, 8], request_s=[0.4, 0.4]).kind)
+    # sharing a batch costs q * 0.02 * 0.4 s: more than the 50 ms load from q = 7 on (q = 8: full, a row's wait too)
+    assert kinds == ["affinity"] * 7 + ["spill"] * 2
+
+
+def test_a_free_row_costs_no_wait_and_a_full_replica_one_rows_worth():
+    v = view({"a": {0}}, ids=IDS[:2])
+    cfg = RoutingConfig(batch_slowdown=0.0)
+    assert choose_replicas("a", v, [7, 0], cfg, caps=[8, 8], request_s=[0.4, 0.4]).ect[0] == 0.0
+    assert choose_replicas("a", v, [8, 0], cfg, caps=[8, 8], request_s=[0.4, 0.4]).ect[0] == pytest.approx(0.05)
 
 
 def test_a_free_slot_beats_an_eviction_and_a_host_copy_beats_a_disk_read():
@@ -144,7 +154,7 @@ for _ in range(300):
     holders = {f"a{i}": set(rng.choice(8, 2, replace=False).tolist()) for i in range(5)}
     warm = {f"a{i}": set(rng.choice(8, 1).tolist()) for i in range(3, 8)}
     view = FleetView(ids, holders=holders, warm=warm, free_slots=rng.integers(0, 2, 8), slots=[4] * 8,
-                     host_load_s=[0.05] * 8, disk_load_s=[1.0] * 8)
+                     host_load_s=[0.01] * 8, disk_load_s=[1.0] * 8)
     d = choose_replicas(f"a{rng.integers(0, 10)}", view, loads, caps=[8] * 8,
                         request_s=rng.uniform(0.1, 0.5, 8).tolist())
     out.append([d.kind, [[int(i) for i in tier] for tier in d.tiers]])
