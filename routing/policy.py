@@ -129,7 +129,7 @@ def choose_replicas(adapter: Optional[str], view: FleetView, loads: Sequence[flo
     ``loads``: ongoing requests per replica (Serve's queue lengths). ``caps``: each one's
     ``max_ongoing_requests``. ``request_s``: recent seconds per request per replica (None:
     not measured). ``active``: adapters of the requests running on each replica (name ->
-    count; ``None`` is the base model). ``demand``: recent requests per second per adapter.
+    count, only counts > 0; ``None`` is the base model). ``demand``: recent requests per second per adapter.
     ``last_used``: when each adapter was last sent to each replica (the victim a load evicts is
     the least recently used, as the pools evict).
     """
@@ -203,10 +203,9 @@ def _can_join(adapter: Optional[str], i: int, view: FleetView, active: Sequence[
     running = active[i]
     if running.get(adapter, 0) > 0:
         return True
-    in_batch = sum(1 for c in running.values() if c > 0)
-    pinned = view.pinned[i] if view.pinned is not None else frozenset()
-    pinned_idle = sum(1 for p in pinned if running.get(p, 0) <= 0)
-    return in_batch + pinned_idle < view.slots[i]
+    pinned = view.pinned[i] if view.pinned is not None else ()
+    pinned_idle = sum(1 for p in pinned if p not in running) if pinned else 0
+    return len(running) + pinned_idle < view.slots[i]
 
 
 def _load_s(view: FleetView, i: int, warm: bool, config: RoutingConfig) -> float:

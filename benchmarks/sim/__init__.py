@@ -3,9 +3,12 @@
 The simulated replicas run the project's own code: ``pool.memory_pool.LoRAMemoryPool``
 (no tensors) for slots and eviction, ``engine.scheduler.Scheduler`` for admission,
 ``routing.directory.AdapterDirectory`` fed by the pools' events after a lag, and
-``routing.view.RouterView`` + ``routing.policy.choose_replicas`` for "our" router. Costs
-(adapter load, prefill, decode) are modelled in ``costs``; the baseline routers in
-``routers`` are small implementations of other systems' logic, for comparison.
+``routing.view.RouterView`` + ``routing.router_state.LocalRouterState`` +
+``routing.policy.choose_replicas`` for "our" router. Costs (adapter load, prefill, decode)
+are modelled in ``costs``; the baseline routers in ``routers`` are small implementations
+of other systems' logic, for comparison. ``cpu_fleet`` is ``routing_live``'s own setup
+(closed-loop clients, engines and control plane on shared cores) and ``live_check``
+compares it with a live run.
 """
 
 from .costs import CostModel

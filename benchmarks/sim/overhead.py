@@ -5,8 +5,9 @@ drawn from the workload's popularity, loads 0..max_batch-1. Each call is timed o
 own with ``perf_counter_ns`` (timer overhead, ~50-100 ns, included), garbage collector
 on, as in service.
 
-- ``policy``: ``choose_replicas(adapter, fleet_view, loads, RoutingConfig())`` on a cached
-  ``FleetView`` (what the router calls per request; the issue's goal is on this line).
+- ``policy``: ``choose_replicas`` on a cached ``FleetView`` with everything the Serve router
+  passes (caps, request times, running adapters, demand and last use from a
+  ``LocalRouterState`` that has routed the recent requests), per request.
 - ``view+policy``: ``RouterView.fleet_view(ids, adapter)`` + the policy, with ``optimistic``
   live own decisions in the view (what ``AdapterAffinityRouter.choose_replicas`` does).
 - ``pow2``: Ray Serve's power-of-two choice as ``pow_2_router.py`` does it (two distinct
@@ -23,6 +24,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from routing.policy import RoutingConfig, choose_replicas
+from routing.router_state import LocalRouterState
 from routing.view import RouterView
 
 from ..traces import Popularity, adapter_uid
@@ -56,11 +58,20 @@ def measure(replicas: int, adapters: int = 10_000, *, calls: int = 20_000,
     reply = {"epoch": "bench", "version": 1, "full": full}
     asked = [adapter_uid(int(a)) for a in popularity.sample(calls, adapters, rng)]
     loads = rng.integers(0, max_batch, replicas).astype(np.float64)
-    config = RoutingConfig()
+    config = RoutingConfig(default_max_ongoing=max_batch)
     now = [0.0]
     view = RouterView(ttl_s=3.0, clock=lambda: now[0])
     view.apply_directory_reply(reply)
     fleet = view.fleet_view(ids)  # built once; no adapter asked: the cached view itself
+    local = LocalRouterState(clock=lambda: now[0])
+    for k, a in enumerate(asked[:optimistic]):  # this router's recent traffic: running adapters, times, demand
+        local.routed(str(k), ids[int(rng.integers(replicas))], a)
+        now[0] += 0.01
+        if k >= max_batch * replicas // 2:  # about half of every replica's rows stay busy
+            local.completed(str(k - max_batch * replicas // 2))
+    caps = [float(max_batch)] * replicas
+    inputs = dict(caps=caps, request_s=local.request_s_by_index(ids), active=local.active_by_index(ids),
+                  demand=local.demand, last_used=local.last_used_by_index(ids))
     rows = []
 
     def row(kind: str, us: np.ndarray, note: str = "") -> dict:
@@ -69,8 +80,8 @@ def measure(replicas: int, adapters: int = 10_000, *, calls: int = 20_000,
                 "mean_us": float(us.mean()), "note": note}
 
     for a in asked[:200]:  # warm numpy's and the hash's caches
-        choose_replicas(a, fleet, loads, config)
-    rows.append(row("policy", _timed(lambda a: choose_replicas(a, fleet, loads, config), asked)))
+        choose_replicas(a, fleet, loads, config, **inputs)
+    rows.append(row("policy", _timed(lambda a: choose_replicas(a, fleet, loads, config, **inputs), asked)))
 
     load_list = loads.tolist()
     n = replicas
@@ -89,7 +100,7 @@ def measure(replicas: int, adapters: int = 10_000, *, calls: int = 20_000,
         view.record_decision(a, ids[int(rng.integers(n))])
 
     def decide(a) -> None:
-        choose_replicas(a, view.fleet_view(ids, a), loads, config)
+        choose_replicas(a, view.fleet_view(ids, a), loads, config, **inputs)
 
     rows.append(row("view+policy", _timed(decide, asked), f"{optimistic} live own decisions"))
 
