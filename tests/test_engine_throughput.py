@@ -14,7 +14,8 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_ke
 
 def test_engine_throughput_tiny(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(engine_throughput, "MODEL", TINY)
-    monkeypatch.setattr(engine_throughput, "BATCH", 4)
+    monkeypatch.setattr(engine_throughput, "MAX_RUNNING", 4)
+    monkeypatch.setattr(engine_throughput, "DECODE_BATCH", 4)
     monkeypatch.setattr(engine_throughput, "DECODE_CONTEXT", 16)
     out = tmp_path / "engine_throughput.json"
     assert engine_throughput.main(["--quick", "--requests", "10", "--threads", "1", "--json", str(out)]) == 0
@@ -33,7 +34,7 @@ def test_engine_throughput_tiny(monkeypatch, tmp_path, capsys):
     assert "contiguous rows" in contiguous["system"] and "Poisson" in poisson["system"]
     assert all(r["output_tokens"] == ours["output_tokens"] for r in data["rows"])  # EOS ignored everywhere
     assert all(r["tok_per_s"] > 0 and r["ttft_p99_ms"] >= r["ttft_p50_ms"] > 0 for r in data["rows"])
-    # at most BATCH (4) requests run at a time; the contiguous rows hold 8 x the 256-token window of KV
+    # at most MAX_RUNNING (4) requests run at a time; the contiguous rows hold 8 x the 256-token window of KV
     assert ours["max_concurrent"] == contiguous["max_concurrent"] == 4
     assert ours["peak_kv_mb"] < contiguous["peak_kv_mb"]
     decode = data["metadata"]["decode_step"]
