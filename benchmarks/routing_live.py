@@ -143,16 +143,6 @@ class Variant:
         return time.perf_counter() - started
 
 
-def deploy_all(variants: list[Variant]) -> float:
-    """Deploy every variant's app at once (their replicas start in parallel); returns seconds."""
-    from ray.serve.api import RunTarget, run_many
-
-    started = time.perf_counter()
-    run_many([RunTarget(v.application(), name=v.app, route_prefix=None) for v in variants])
-    for v in variants:
-        v.loads()  # every worker up and reporting
-    return time.perf_counter() - started
-
     def set_load_cost(self, cost) -> None:
         """The injected load cost on every replica (``benchmarks/live/load_cost.py``), without a redeploy."""
         from ray import serve
@@ -192,6 +182,16 @@ def deploy_all(variants: list[Variant]) -> float:
         counts = directory.adapter_counts.remote().result()
         return sum(c.get("load", 0) for c in counts.values())
 
+
+def deploy_all(variants: list[Variant]) -> float:
+    """Deploy every variant's app at once (their replicas start in parallel); returns seconds."""
+    from ray.serve.api import RunTarget, run_many
+
+    started = time.perf_counter()
+    run_many([RunTarget(v.application(), name=v.app, route_prefix=None) for v in variants])
+    for v in variants:
+        v.loads()  # every worker up and reporting
+    return time.perf_counter() - started
 
 def sample_replicas(call, expected: int, timeout_s: float = 60.0) -> dict[str, dict]:
     """Ask until every replica has answered once (for routers that ignore ``ReplicaTarget``)."""
