@@ -1,7 +1,8 @@
 """The routing decision: the replica where a request is expected to complete first.
 
 For each candidate replica ``i`` and a request for adapter ``a`` the expected completion
-time (ECT, seconds, the request's own run time left out: it is the same everywhere) is
+time (ECT, seconds; the request's own run time is left out: replicas are alike, and a
+measured request time varies with the request mix far more than with the replica) is
 
     queue wait      max(0, q_i + 1 - cap_i) * T_i / cap_i    until a row frees (a full
                                             replica drains cap_i requests per T_i: its recent

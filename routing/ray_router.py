@@ -51,7 +51,6 @@ log = logging.getLogger("ray.serve")
 STATS_APPLY_INTERVAL_S = 0.1
 MAX_WAIT_PER_CALL_S = 1.0  # a waiting request is re-offered to Serve this often (replica set changes)
 REPEAT_WINDOW_S = 0.01     # the same request back this soon: Serve could not use our choice; wait first
-FEED_TICK_S = 0.05         # how often the feed thread checks whether a poll is due
 
 
 def request_adapter(pending_request: Optional[PendingRequest]) -> Optional[str]:
@@ -126,6 +125,8 @@ class AdapterAffinityRouter(RequestRouter):
         self.metrics_export_interval_s = metrics_export_interval_s
         self.requests_per_poll = requests_per_poll
         self._routed = 0  # requests routed so far (paces the directory feed)
+        self._routed_at_poll = -requests_per_poll  # the first poll goes out at once
+        self._feed_due = threading.Event()  # set once requests_per_poll requests were routed since the last poll
         self.decisions: Counter = Counter()  # affinity | spill | placement | base | wait | waited
         self._poll_thread: Optional[threading.Thread] = None
         self._epoch_seen: Optional[str] = None
@@ -243,6 +244,8 @@ class AdapterAffinityRouter(RequestRouter):
         request_id = pending_request.metadata.internal_request_id
         self.local.routed(request_id, rid, adapter)
         self._routed += 1
+        if self._routed - self._routed_at_poll >= self.requests_per_poll:
+            self._feed_due.set()
         self.view.record_decision(adapter, rid)
         kind = self._kinds.pop(request_id, None)
         if kind is not None:
@@ -288,20 +291,23 @@ class AdapterAffinityRouter(RequestRouter):
 
         handle = None
         version = -1
-        exported = last_poll = time.monotonic()
-        routed_at = -self.requests_per_poll  # the first poll goes out at once
+        exported = last_poll = time.monotonic() - self.poll_timeout_s  # the first poll goes out at once
         while not loop.is_closed():
+            # sleep until traffic makes a poll due (on_request_routed sets the event) or the idle period ends
+            self._feed_due.wait(max(0.0, min(last_poll + self.poll_timeout_s, exported + self.metrics_export_interval_s)
+                                    - time.monotonic()))
             now = time.monotonic()
             if now - exported >= self.metrics_export_interval_s:
                 exported = now
                 last = self.view.last_update
                 self.metrics.lag_s = now - last if last else 0.0
                 self._export_metrics()
-            due = self._routed - routed_at >= self.requests_per_poll or now - last_poll >= self.poll_timeout_s
-            if not due or now - last_poll < self.min_poll_interval_s:
-                time.sleep(FEED_TICK_S)
-                continue
-            routed_at, last_poll = self._routed, now
+            if not self._feed_due.is_set() and now - last_poll < self.poll_timeout_s:
+                continue  # woken to export metrics only
+            if now - last_poll < self.min_poll_interval_s:
+                time.sleep(self.min_poll_interval_s - (now - last_poll))
+            self._feed_due.clear()
+            self._routed_at_poll, last_poll = self._routed, time.monotonic()
             try:
                 if handle is None:
                     handle = serve.get_deployment_handle(self.directory_deployment, app_name=self.app_name)
