@@ -50,7 +50,7 @@ SMALL_FLEET = 16  # up to this many replicas every one is scored; beyond, a boun
 @dataclass(frozen=True)
 class RoutingConfig:
     tie_epsilon: float = 0.25         # ECTs within this many queued requests' wait (T/cap) of the best tie
-    batch_slowdown: float = 0.01      # share of T one more running request adds (decode steps: ~1% on GPUs and here)
+    batch_slowdown: float = 0.01      # share of T one more running request adds, until measured (GPU decode: ~1%)
     default_request_s: float = 0.5    # a replica's request time before any is measured
     default_max_ongoing: int = 8      # cap when the caller gives none
     host_load_s: float = 0.002        # load-time priors until a replica reports measured ones
@@ -124,7 +124,8 @@ def choose_replicas(adapter: Optional[str], view: FleetView, loads: Sequence[flo
                     request_s: Optional[Sequence[Optional[float]]] = None,
                     active: Optional[Sequence[Mapping[Optional[str], int]]] = None,
                     demand: Optional[Mapping[str, float]] = None,
-                    last_used: Optional[Sequence[Mapping[str, float]]] = None) -> RoutingDecision:
+                    last_used: Optional[Sequence[Mapping[str, float]]] = None,
+                    batch_slowdown: Optional[float] = None) -> RoutingDecision:
     """Rank candidates by expected completion time; see the module docstring.
 
     ``loads``: ongoing requests per replica (Serve's queue lengths). ``caps``: each one's
@@ -132,7 +133,8 @@ def choose_replicas(adapter: Optional[str], view: FleetView, loads: Sequence[flo
     not measured). ``active``: adapters of the requests running on each replica (name ->
     count, only counts > 0; ``None`` is the base model). ``demand``: recent requests per second per adapter.
     ``last_used``: when each adapter was last sent to each replica (the victim a load evicts is
-    the least recently used, as the pools evict).
+    the least recently used, as the pools evict). ``batch_slowdown``: measured (see
+    ``LocalRouterState.batch_slowdown``); None: the config's.
     """
     n = len(view.replica_ids)
     if n == 0:
@@ -146,6 +148,7 @@ def choose_replicas(adapter: Optional[str], view: FleetView, loads: Sequence[flo
     t_default = config.default_request_s
     join_check = active is not None and view.slots is not None
     free = view.free
+    slowdown = config.batch_slowdown if batch_slowdown is None else batch_slowdown
     ect: dict[int, float] = {}
     cost_class: dict[int, int] = {}  # 0 resident, 1 load into a free slot, 2 load that evicts
     best, best_e, best_tol = 0, float("inf"), 0.0
@@ -153,7 +156,7 @@ def choose_replicas(adapter: Optional[str], view: FleetView, loads: Sequence[flo
         cap = caps[i] if caps is not None else cap_default
         t = (request_s[i] if request_s is not None else None) or t_default
         q = loads[i]
-        e = (q + 1 - cap if q + 1 > cap else 0.0) * t / cap + q * config.batch_slowdown * t
+        e = (q + 1 - cap if q + 1 > cap else 0.0) * t / cap + q * slowdown * t
         if join_check and view.slots[i] and not _can_join(adapter, i, view, active):
             e += config.slot_wait_fraction * t
         if adapter is None or i in holders:

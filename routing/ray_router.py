@@ -174,15 +174,20 @@ class AdapterAffinityRouter(RequestRouter):
             self.decisions["wait"] += 1
             self.metrics.decision("wait")
             if not await self._wait_for_capacity() and self._others_fill(decision.best):
-                # nothing of ours finished, but other routers' requests fill the best replica and
-                # their completions are invisible here: offer it, so Serve asks it for its queue length
-                chosen, kind = decision.best, "waited"
+                # nothing of ours finished, but other routers' requests fill the replicas and their
+                # completions are invisible here: offer them best first, so Serve asks each for its
+                # queue length and takes the first with a free row
+                kind = "waited"
                 break
         self._last_call = (request_id, time.monotonic())
-        if kind is None:
-            if not decision.tiers:
-                return []
-            chosen, kind = decision.tiers[0][0], decision.kind
+        if kind == "waited":
+            order = sorted(decision.ect, key=decision.ect.__getitem__)
+            if request_id is not None:
+                self._kinds[request_id] = kind
+            return [[self._by_id[self._ids[i]]] for i in order]
+        if not decision.tiers:
+            return []
+        chosen, kind = decision.tiers[0][0], decision.kind
         if request_id is not None:
             self.local.chose(request_id, self._ids[chosen])
             self._kinds[request_id] = kind
@@ -207,7 +212,7 @@ class AdapterAffinityRouter(RequestRouter):
         return choose_replicas(adapter, self.view.fleet_view(ids, adapter), loads, self.routing_config,
                                caps=self._caps, request_s=local.request_s_by_index(ids),
                                active=local.active_by_index(ids), demand=local.demand,
-                               last_used=local.last_used_by_index(ids))
+                               last_used=local.last_used_by_index(ids), batch_slowdown=local.batch_slowdown())
 
     async def _wait_for_capacity(self) -> bool:
         """Until a request of ours completes or a replica reports room (True), or ``capacity_poll_s``

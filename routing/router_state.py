@@ -3,7 +3,10 @@
 - requests in flight per replica and the adapters they use (whether an adapter can join a
   replica's running batch now);
 - each replica's recent request time (seconds from send to completion, an EWMA): the
-  ``T`` of the policy's queue wait;
+  ``T`` of the policy's queue wait; and how much longer a request takes per request
+  already running where it went (a decayed least-squares fit of time against the queue
+  it joined): the policy's batch slowdown, measured rather than assumed (nearly 0 on a
+  GPU, large where each request costs its replica CPU);
 - each adapter's recent demand (requests per second, exponentially decayed) and when it
   was last sent to each replica: what an eviction costs (the pools evict the least
   recently used);
@@ -78,7 +81,9 @@ class LocalRouterState:
         self.inflight: Counter = Counter()                     # replica -> requests in flight
         self.active: dict[str, Counter] = {}                   # replica -> adapter -> requests in flight
         self.last_used: dict[str, dict] = {}                   # replica -> adapter -> when last sent there
-        self._requests: dict[str, tuple[str, Optional[str], float]] = {}  # request id -> (replica, adapter, at)
+        self._requests: dict[str, tuple[str, Optional[str], float, int]] = {}  # id -> (replica, adapter, at, queue)
+        self._fit = [0.0, 0.0, 0.0, 0.0, 0.0]  # decayed n, sum q, sum t, sum q*q, sum q*t (time against queue)
+        self.fit_decay = 0.995
         self._chosen: dict[str, tuple[str, float]] = {}        # request id -> (replica, expiry)
         self.pending: Counter = Counter()                      # replica -> chosen, not yet in Serve's cache
 
@@ -109,7 +114,7 @@ class LocalRouterState:
             self._requests.clear()
             self.inflight.clear()
             self.active.clear()
-        self._requests[request_id] = (replica_id, adapter, self._clock())
+        self._requests[request_id] = (replica_id, adapter, self._clock(), self.inflight[replica_id])
         self.inflight[replica_id] += 1
         self.active.setdefault(replica_id, Counter())[adapter] += 1
         self.last_used.setdefault(replica_id, {})[adapter] = self._clock()
@@ -120,7 +125,7 @@ class LocalRouterState:
         entry = self._requests.pop(request_id, None)
         if entry is None:
             return None
-        replica_id, adapter, at = entry
+        replica_id, adapter, at, queue = entry
         if self.inflight[replica_id] > 0:
             self.inflight[replica_id] -= 1
         running = self.active.get(replica_id)
@@ -131,7 +136,25 @@ class LocalRouterState:
         seconds = self._clock() - at
         old = self.request_time.get(replica_id)
         self.request_time[replica_id] = seconds if old is None else old + self.alpha * (seconds - old)
+        fit, d = self._fit, self.fit_decay
+        for k, v in enumerate((1.0, queue, seconds, queue * queue, queue * seconds)):
+            fit[k] = fit[k] * d + v
         return replica_id
+
+    def batch_slowdown(self, min_samples: float = 20.0) -> Optional[float]:
+        """Extra share of a request's time per request already running on its replica, fitted
+        from this router's completed requests; None until there are enough, or no spread in queues."""
+        n, sq, st, sqq, sqt = self._fit
+        if n < min_samples:
+            return None
+        var = sqq - sq * sq / n
+        if var <= 1e-9 * n:
+            return None
+        slope = (sqt - sq * st / n) / var
+        intercept = st / n - slope * sq / n
+        if intercept <= 0:
+            return None
+        return min(1.0, max(0.0, slope / intercept))
 
     def forget_replica(self, replica_id: str) -> None:
         for table in (self.request_time, self.inflight, self.active, self.pending, self.last_used):

@@ -134,8 +134,12 @@ def test_cpu_fleet_is_deterministic_and_closed_loop(variant):
 def test_control_plane_cpu_takes_engine_capacity_on_shared_cores():
     requests = build_requests(LiveSetting("skew", 12, 0.3), 300, seed=1)
     light = run_cpu_fleet(requests, 64, cpu_cfg("pow2", control=ControlPlaneCpu(router_s=0.002)))
-    heavy = run_cpu_fleet(requests, 64, cpu_cfg("pow2", control=ControlPlaneCpu(router_s=0.002, replica_s=0.03)))
+    heavy = run_cpu_fleet(requests, 64, cpu_cfg("pow2", control=ControlPlaneCpu(router_s=0.002, directory_s=0.01,
+                                                                                 metrics_agent_s=0.02)))
     assert heavy.req_per_s < 0.8 * light.req_per_s and heavy.engine_share < light.engine_share
+    # a request's own work in its replica lengthens that replica's steps (not the others')
+    busy = run_cpu_fleet(requests, 64, cpu_cfg("pow2", control=ControlPlaneCpu(router_s=0.002, replica_s=0.03)))
+    assert busy.req_per_s < 0.8 * light.req_per_s
 
 
 def test_the_affinity_policy_loads_less_than_pow2_when_the_working_set_fits():

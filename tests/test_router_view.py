@@ -208,3 +208,23 @@ def test_replicas_without_measured_load_times_are_priced_at_the_fleet_mean():
     view = v.fleet_view(("r0", "r1", "r2"))
     assert view.host_load_s == [0.002, 0.004, 0.003] and view.disk_load_s == [0.04, 0.04, 0.04]
     assert view.slots == [2, 2, 2]
+
+
+def test_batch_slowdown_is_fitted_from_request_times_against_the_queue_they_joined():
+    clock = Clock()
+    s = LocalRouterState(clock=clock)
+    assert s.batch_slowdown() is None
+    k = 0
+    for _ in range(10):  # each request takes 0.1 s plus 0.02 s per request already running there
+        for queue in range(4):
+            for j in range(queue):
+                s.routed(f"busy{k}-{j}", "r0", "a")
+            s.routed(f"q{k}", "r0", "a")
+            clock.now += 0.1 + 0.02 * queue
+            s.completed(f"q{k}")
+            for j in range(queue):
+                s._requests.pop(f"busy{k}-{j}")  # the fillers never complete: only the timed one counts
+                s.inflight["r0"] -= 1
+            k += 1
+    assert s.batch_slowdown() == pytest.approx(0.2, rel=1e-6)
+

@@ -14,9 +14,10 @@ This model is ``benchmarks.routing_live``'s setup (replicas x slots, ``max_ongoi
   makes (host-tier copies, disk reads), and gives every running request one token;
 - the control plane's CPU, charged per request from a live run: the client process
   hosting the router (as latency before the request is routed, and as CPU), the
-  directory and the metrics agent, and the workers' own per-request work (Serve's
-  request handling) -- all on the same ``cores`` as the engines: while they run, each
-  busy engine gets ``(cores - control-plane CPU rate) / busy engines`` of a core.
+  directory and the metrics agent -- all on the same ``cores`` as the engines: while they
+  run, each busy engine gets ``(cores - control-plane CPU rate) / busy engines`` of a
+  core; and the workers' own per-request work (Serve's request handling), which runs in
+  the replica's process and so lengthens the step that admits the request.
 
 Loads: a variant on the product's worker reads an adapter from disk the first time a
 replica uses it and copies it from the host tier after; the multiplexing baseline's
@@ -55,11 +56,11 @@ class ControlPlaneCpu:
     router_s: float = 0.0        # the client process that hosts the router
     directory_s: float = 0.0
     metrics_agent_s: float = 0.0
-    replica_s: float = 0.0       # the workers' per-request work besides engine steps
+    replica_s: float = 0.0       # the workers' per-request work besides engine steps (on that replica's core)
 
     @property
     def total_s(self) -> float:
-        return self.router_s + self.directory_s + self.metrics_agent_s + self.replica_s
+        return self.router_s + self.directory_s + self.metrics_agent_s  # replica_s runs in the replica's process
 
 
 @dataclass(frozen=True)
@@ -227,7 +228,8 @@ class CpuFleet:
         cfg = self.cfg
         for req in [r for r in replica.sched.running if replica.tokens.get(r.i, 1) <= 0]:
             self._finish(replica, req)
-        for req in replica.sched.admit():
+        admitted = replica.sched.admit()
+        for req in admitted:
             replica.tokens[req.i] = req.out_len
         running = replica.sched.running
         if not running:
@@ -246,7 +248,8 @@ class CpuFleet:
         self.share_n += 1
         for req in running:
             replica.tokens[req.i] -= 1
-        self._push(self.now + (cfg.step_base_s + cfg.step_per_seq_s * len(running)) / share + stall, _STEP, replica)
+        cpu = cfg.step_base_s + cfg.step_per_seq_s * len(running) + cfg.control.replica_s * len(admitted)
+        self._push(self.now + cpu / share + stall, _STEP, replica)
 
     def _read(self, replica: _Replica, uid: str) -> float:
         """Seconds to read ``uid`` from disk for this load (0 when the replica's host tier has it)."""

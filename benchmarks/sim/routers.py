@@ -115,7 +115,8 @@ class AffinityRouter(_ViewRouter):
         decision = choose_replicas(req.uid, self.view.fleet_view(ids, req.uid), sim.ongoing, self.config,
                                    caps=self.caps, request_s=local.request_s_by_index(ids),
                                    active=local.active_by_index(ids), demand=local.demand,
-                                   last_used=local.last_used_by_index(ids))
+                                   last_used=local.last_used_by_index(ids),
+                                   batch_slowdown=local.batch_slowdown())
         if not decision.tiers:
             self._count("wait")
             return None
