@@ -19,7 +19,9 @@ measured request time varies with the request mix far more than with the replica
                                             wanted victim goes first
 
 The request goes to the minimum; candidates within ``tie_epsilon`` of one queued request's
-wait (T / cap) of the minimum are a tie, broken by the adapter's rendezvous order, so
+wait (T / cap), or within what one more co-running request costs (a queue length one
+request stale, as right after a completion, must not move an adapter), of the minimum
+are a tie, broken by the cheapest kind of placement, then the adapter's rendezvous order, so
 routers that see the same state choose alike without talking. With expensive loads
 this keeps affinity (a load costs more than queueing behind a holder); with cheap loads
 and idle capacity it spreads. A hot adapter gains replicas while its holders' queue
@@ -170,8 +172,8 @@ def choose_replicas(adapter: Optional[str], view: FleetView, loads: Sequence[flo
                 rate = _victim_demand(view, i, active, demand, last_used)
                 e += min(1.0, rate * config.demand_horizon * t) * _load_s(view, i, True, config)
         ect[i] = e
-        if e < best_e:
-            best, best_e, best_tol = i, e, config.tie_epsilon * t / cap
+        if e < best_e:  # the tie: a fraction of a row's wait, and at least one co-running request's cost
+            best, best_e, best_tol = i, e, max(config.tie_epsilon * t / cap, slowdown * t)
     limit = best_e + best_tol
     # within the tie, the cheapest kind of placement, then the adapter's rendezvous order (base: least
     # loaded, then index), so routers whose estimates differ slightly still agree; beyond it, by ECT

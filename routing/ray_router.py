@@ -174,20 +174,16 @@ class AdapterAffinityRouter(RequestRouter):
             self.decisions["wait"] += 1
             self.metrics.decision("wait")
             if not await self._wait_for_capacity() and self._others_fill(decision.best):
-                # nothing of ours finished, but other routers' requests fill the replicas and their
-                # completions are invisible here: offer them best first, so Serve asks each for its
-                # queue length and takes the first with a free row
-                kind = "waited"
+                # nothing of ours finished, but other routers' requests fill the best replica and
+                # their completions are invisible here: offer it, so Serve asks it for its queue length
+                # (offering every replica made Serve probe each in turn: slower, measured)
+                chosen, kind = decision.best, "waited"
                 break
         self._last_call = (request_id, time.monotonic())
-        if kind == "waited":
-            order = sorted(decision.ect, key=decision.ect.__getitem__)
-            if request_id is not None:
-                self._kinds[request_id] = kind
-            return [[self._by_id[self._ids[i]]] for i in order]
-        if not decision.tiers:
-            return []
-        chosen, kind = decision.tiers[0][0], decision.kind
+        if kind is None:
+            if not decision.tiers:
+                return []
+            chosen, kind = decision.tiers[0][0], decision.kind
         if request_id is not None:
             self.local.chose(request_id, self._ids[chosen])
             self._kinds[request_id] = kind

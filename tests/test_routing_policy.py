@@ -73,8 +73,13 @@ def test_queue_wait_trades_against_load_time():
         loads[0] = q
         kinds.append(choose_replicas("a", v, loads, RoutingConfig(tie_epsilon=0.0, batch_slowdown=0.02),
                                      caps=[8, 8], request_s=[0.4, 0.4]).kind)
-    # sharing a batch costs q * 0.02 * 0.4 s: more than the 50 ms load from q = 7 on (q = 8: full, a row's wait too)
-    assert kinds == ["affinity"] * 7 + ["spill"] * 2
+    # sharing a batch costs q * 0.02 * 0.4 s; a difference under one co-running request's cost (8 ms) is a tie:
+    # q = 7 (56 ms vs the 50 ms load) still ties, q = 8 is full (a row's wait, 50 ms, on top)
+    assert kinds == ["affinity"] * 8 + ["spill"]
+    loads[0] = 6
+    loose = choose_replicas("a", v, loads, RoutingConfig(tie_epsilon=0.0, batch_slowdown=0.02), caps=[8, 8],
+                            request_s=[0.4, 0.4], batch_slowdown=0.05)  # measured: 6 * 20 ms > 50 ms + 20 ms
+    assert loose.kind == "spill"
 
 
 def test_a_free_row_costs_no_wait_and_a_full_replica_one_rows_worth():
