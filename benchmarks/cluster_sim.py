@@ -295,7 +295,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--skip-overhead", action="store_true", help="do not time the routing decision")
     parser.add_argument("--live-json", metavar="PATH",
                         help="a routing_live --json run: simulate its cells and check the ranking matches")
+    parser.add_argument("--live-only", action="store_true", help="with --live-json: only that check")
     args = parser.parse_args(argv)
+    if args.live_only:
+        if not args.live_json:
+            parser.error("--live-only needs --live-json")
+        live_rows, agreement = live_check(args.live_json)
+        print()
+        common.print_goals([agreement])
+        if args.json:
+            common.write_json(args.json, "cluster_sim", live_rows, common.settings_of(args), goals=[agreement])
+        return 0
     plan = make_plan(args.quick, args.seed, args.per_replica)
     started = time.perf_counter()
     costs = CostModel()
