@@ -363,6 +363,8 @@ def plot(rows: list[dict], path) -> None:
         for row, label in ((0, "req/s"), (1, "p99 ms")):
             ax = axes[row][col]
             ax.set_xscale("log", base=2)
+            if row == 1:
+                ax.set_yscale("log")  # p99 spans 100 ms at concurrency 1 to seconds at 64
             ax.set_xlabel("concurrency (closed-loop clients)", fontsize=8)
             ax.set_ylabel(label, fontsize=9)
             ax.grid(alpha=0.3)
