@@ -39,7 +39,7 @@ class RouterView:
         self._reserved: dict[str, dict[str, float]] = {}  # replica -> adapters placed there, not yet reported
         self._cache_key: Optional[tuple] = None
         self._cache: Optional[FleetView] = None
-        self._scores: dict[str, list[int]] = {}  # rendezvous scores, kept across rebuilds for the same replicas
+        self._scores: dict = {}  # rendezvous scores and orders, kept across rebuilds for the same replicas
         self._scores_for: tuple[str, ...] = ()
 
     # ------------------------------------------------------------------ inputs
