@@ -87,6 +87,8 @@ class AppArgs(BaseModel):
     max_body_bytes: int = Field(default=1 << 20, ge=1024)
     max_prompt_chars: int = Field(default=32_000, ge=1)
     drain_timeout_s: float = Field(default=30.0, ge=0)
+    warm_start_timeout_s: float = Field(default=60.0, ge=0)  # a new worker's warm-up bound (0: start cold)
+    demand_window_s: float = Field(default=60.0, gt=0)  # window of the loads/s and working set the autoscaler sees
 
     def engine_config(self, replica_id: str = "local") -> EngineConfig:
         """The engine's settings: AppArgs' fields of the same names, plus the replica's id."""

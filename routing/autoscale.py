@@ -23,6 +23,7 @@ of the adapter names it was asked for, as plain numbers (Serve's custom metrics 
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -147,6 +148,12 @@ class ReplicaScaler:
         self._since = now  # one step down; the next one waits a whole delay again
         return max(desired, current - 1, settings.min_replicas)
 
+    def with_settings(self, settings: AutoscaleSettings) -> ReplicaScaler:
+        """The same wish and clock under new settings (bounds or slots changed between calls)."""
+        scaler = ReplicaScaler(settings)
+        scaler._direction, scaler._since = self._direction, self._since
+        return scaler
+
     def _reset(self) -> None:
         self._direction, self._since = 0, None
 
@@ -168,3 +175,39 @@ def working_set_size(sketches: Iterable[Iterable[float]], k: int = SKETCH_SIZE) 
     if len(union) < k:
         return len(union)
     return max(k, round((k - 1) / union[k - 1]))
+
+
+class DemandWindow:
+    """One replica's recent demand: adapter names requested and pool loads over the last ``window_s``.
+
+    What ``LoRAWorker.record_autoscaling_stats`` exports; times are passed in (monotonic seconds).
+    """
+
+    def __init__(self, window_s: float):
+        if not window_s > 0:
+            raise ValueError(f"window_s must be > 0, got {window_s}")
+        self.window_s = window_s
+        self._last_requested: dict[str, float] = {}
+        self._loads: deque[tuple[float, int]] = deque()
+
+    def requested(self, name: str, now: float) -> None:
+        self._last_requested[name] = now
+
+    def observe_loads(self, total_loads: int, now: float) -> None:
+        """The pool's cumulative load count at ``now``."""
+        self._loads.append((now, total_loads))
+        while len(self._loads) > 2 and self._loads[1][0] <= now - self.window_s:
+            self._loads.popleft()  # keep one sample at or before the window's start
+
+    def loads_per_s(self, now: float) -> float:
+        if len(self._loads) < 2:
+            return 0.0
+        (t0, n0), (t1, n1) = self._loads[0], self._loads[-1]
+        return (n1 - n0) / max(t1 - t0, 1e-9, min(self.window_s, now - t0))
+
+    def names(self, now: float) -> list[str]:
+        """Adapters requested within the window (older ones are forgotten here)."""
+        cutoff = now - self.window_s
+        for name in [n for n, t in self._last_requested.items() if t < cutoff]:
+            del self._last_requested[name]
+        return sorted(self._last_requested)

@@ -140,3 +140,108 @@ def test_the_sketch_estimates_large_working_sets_within_a_few_tenths():
     names = [f"adapter-{i}" for i in range(2000)]
     sketches = [working_set_sketch(names[i::4]) for i in range(4)]
     assert abs(working_set_size(sketches) - 2000) / 2000 < 0.3
+
+
+# ---------------------------------------------------------------------- the Serve policy on AutoscalingContext
+
+def context(policy_state=None, *, ongoing=0.0, replicas=2, target=None, now=0.0, per_replica=None,
+            min_replicas=2, max_replicas=4, target_ongoing=4.0):
+    """A real ``AutoscalingContext`` whose raw custom metrics are what ``per_replica`` maps to each replica:
+    {"r0": {"slots": 3, "loads_per_s": 0.1, "adapters": [...]}}."""
+    from ray.serve._private.common import DeploymentID, ReplicaID, TimeStampedValue
+    from ray.serve.config import AutoscalingConfig, AutoscalingContext
+
+    from deployments.autoscaling import LOADS_METRIC, SLOTS_METRIC, sketch_metric
+
+    dep = DeploymentID(name="LoRAWorker", app_name="lorafleet")
+    ids = {r: ReplicaID(unique_id=r, deployment_id=dep) for r in (per_replica or {})}
+    raw: dict = {}
+    for r, m in (per_replica or {}).items():
+        values = {SLOTS_METRIC: m["slots"], LOADS_METRIC: m["loads_per_s"]}
+        values.update({sketch_metric(i): v for i, v in enumerate(working_set_sketch(m["adapters"]))})
+        for name, value in values.items():  # an older sample first: the policy reads the newest
+            raw.setdefault(name, {})[ids[r]] = [TimeStampedValue(now - 5, -1.0), TimeStampedValue(now, float(value))]
+    config = AutoscalingConfig(min_replicas=min_replicas, max_replicas=max_replicas,
+                               target_ongoing_requests=target_ongoing, upscale_delay_s=0, downscale_delay_s=0)
+    return AutoscalingContext(
+        deployment_id=dep, deployment_name=dep.name, app_name=dep.app_name, current_num_replicas=replicas,
+        target_num_replicas=replicas if target is None else target, running_replicas=list(ids.values()),
+        total_num_requests=ongoing, total_queued_requests=0.0, aggregated_metrics={}, raw_metrics=raw,
+        capacity_adjusted_min_replicas=min_replicas, capacity_adjusted_max_replicas=max_replicas,
+        policy_state=policy_state or {}, last_scale_up_time=None, last_scale_down_time=None, current_time=now,
+        config=config)
+
+
+def fleet(adapters_per_replica, loads=0.0):
+    return {f"r{i}": {"slots": 3, "loads_per_s": loads, "adapters": a} for i, a in enumerate(adapters_per_replica)}
+
+
+def test_the_policy_reads_the_working_set_across_replicas_from_the_context():
+    from deployments.autoscaling import fleet_signals
+
+    signals, slots = fleet_signals(context(ongoing=3.0, per_replica=fleet([["a", "b", "c"], ["c", "d"]], 0.25)))
+    assert (signals.working_set, signals.loads_per_s, signals.ongoing_requests, slots) == (4, 0.5, 3.0, 3)
+
+
+def test_the_policy_scales_out_for_a_working_set_beyond_the_slots_after_its_delay():
+    from deployments.autoscaling import AdapterAwarePolicy
+
+    policy = AdapterAwarePolicy(upscale_delay_s=5.0, downscale_delay_s=30.0)
+    seven = fleet([["a", "b", "c", "d"], ["e", "f", "g"]])  # 7 adapters > 6 slots; short queues
+    decision, state = policy(context(ongoing=1.0, per_replica=seven, now=100.0))
+    assert decision == 2 and state["lorafleet"]["desired"] == 3
+    decision, _ = policy(context(ongoing=1.0, per_replica=seven, now=105.0))
+    assert decision == 3
+    queue_only = AdapterAwarePolicy(upscale_delay_s=0.0, rule="queue_only")
+    assert queue_only(context(ongoing=1.0, per_replica=seven, now=0.0))[0] == 2  # blind to the adapters
+
+
+def test_the_policy_scales_in_one_step_after_its_delay_and_never_below_min():
+    from deployments.autoscaling import AdapterAwarePolicy
+
+    policy = AdapterAwarePolicy(upscale_delay_s=0.0, downscale_delay_s=30.0)
+    idle = fleet([["a"], ["a"], ["b"], []])
+    assert policy(context(replicas=4, per_replica=idle, now=0.0))[0] == 4
+    assert policy(context(replicas=4, per_replica=idle, now=29.0))[0] == 4
+    assert policy(context(replicas=4, per_replica=idle, now=30.0))[0] == 3
+    assert policy(context(replicas=3, per_replica=idle, now=31.0))[0] == 3  # the next step waits a whole delay
+    assert policy(context(replicas=3, per_replica=idle, now=60.0))[0] == 2
+    assert policy(context(replicas=2, per_replica=idle, now=200.0))[0] == 2
+
+
+def test_the_policy_goes_through_serves_own_wrapper_unchanged():
+    """Serve wraps the policy (scaling factors, its delays, bounds): with its delays at 0 the decision passes."""
+    from ray.serve.autoscaling_policy import _apply_autoscaling_config
+
+    from deployments.autoscaling import AdapterAwarePolicy
+
+    wrapped = _apply_autoscaling_config(AdapterAwarePolicy(upscale_delay_s=0.0, max_loads_per_s_per_replica=0.5))
+    churning = fleet([["a"], ["b"]], loads=0.75)  # 1.5 loads/s > 0.5 x 2 replicas
+    decision, state = wrapped(context(ongoing=2.0, per_replica=churning, now=10.0))
+    assert decision == 3 and state["lorafleet"]["loads_per_s"] == 1.5
+
+
+def test_bad_policy_kwargs_fail_the_deploy_by_name():
+    from deployments.autoscaling import AdapterAwarePolicy
+
+    with pytest.raises(ValueError, match="rule"):
+        AdapterAwarePolicy(rule="fastest")
+    with pytest.raises(ValueError, match="working_set_headroom"):
+        AdapterAwarePolicy(working_set_headroom=0.2)
+
+
+# ---------------------------------------------------------------------- one replica's demand window
+
+def test_the_demand_window_counts_loads_per_second_and_forgets_old_names():
+    from routing.autoscale import DemandWindow
+
+    window = DemandWindow(window_s=10.0)
+    for t in range(21):
+        window.observe_loads(total_loads=t // 2, now=float(t))  # one load every 2 s
+    assert window.loads_per_s(20.0) == pytest.approx(0.5, abs=0.06)
+    window.requested("a", 1.0)
+    window.requested("b", 15.0)
+    assert window.names(20.0) == ["b"]
+    assert DemandWindow(5.0).loads_per_s(0.0) == 0.0
+    with pytest.raises(ValueError, match="window_s"):
+        DemandWindow(0)

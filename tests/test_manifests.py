@@ -213,7 +213,7 @@ def test_render_check_cli_passes_and_detects_drift(tmp_path):
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
     render = load_render_module()
-    changed = (REPO / "serve_config.gpu.yaml").read_text(encoding="utf-8").replace("num_replicas: 4", "num_replicas: 5")
+    changed = (REPO / "serve_config.gpu.yaml").read_text(encoding="utf-8").replace("max_replicas: 8", "max_replicas: 9")
     assert render.render((MANIFESTS / "rayservice.template.yaml").read_text(encoding="utf-8"), changed) \
         != (MANIFESTS / "rayservice.yaml").read_text(encoding="utf-8")
     with pytest.raises(render.RenderError):
