@@ -34,6 +34,7 @@ from typing import Any, Optional, Sequence
 from . import common
 from .sim import SimConfig, run_sim
 from .sim.costs import CostModel
+from .sim.fleet_bound import bound_rows, fleet_bound
 from .sim.overhead import measure
 from .traces import Popularity, make_trace
 
@@ -109,8 +110,11 @@ def run_task(task: tuple[Setting, str]) -> dict[str, Any]:
     trace = make_trace(setting.requests, setting.adapters, Popularity("power", setting.alpha),
                        rate=setting.rate(costs, config.max_batch), cv=setting.cv, seed=setting.seed)
     result = run_sim(trace, config)
+    bound = fleet_bound(trace.adapters, setting.replicas, config.slots, int(len(trace) * config.warmup_fraction))
     row = {"experiment": setting.experiment, "alpha": setting.alpha, "cv": setting.cv, "load": setting.load,
-           "lag_s": setting.lag_s, "epsilon": setting.epsilon, **result.row(), "kinds": result.kinds}
+           "lag_s": setting.lag_s, "epsilon": setting.epsilon, **result.row(), "kinds": result.kinds,
+           "fleet_slots": bound.fleet_slots, "bound": bound.measured, "bound_total": bound.total,
+           "loads_vs_bound": result.loads / max(1, bound.measured)}
     return row
 
 
@@ -368,6 +372,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                            title="== routing decision, in-process, microseconds per call (10,000 adapters, "
                                  "8 slots/replica full, power-law alpha 0.3)")
 
+    bounds = bound_rows(rows, ROUTER_ORDER)
+    print()
+    common.print_table(bounds, ["experiment", "replicas", "adapters", "alpha", "load", "cv", "fleet_slots", "bound",
+                                *ROUTER_ORDER, "bound_total", "affinity_total"], floatfmt=".3g",
+                       title="== fleet lower bound: Belady's MIN over one cache of replicas x slots (no router can "
+                             "load less); bound = measured requests, cache starting with the best contents; each "
+                             "router's measured loads / bound; bound_total and affinity_total: the whole run from "
+                             "empty slots")
+
     comparison = affinity_vs_least_loaded(rows)
     table, counts = wins_table(rows)
     skewed = [g for g in comparison if g["skewed"]]
@@ -380,6 +393,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"settings" + (f"; failing: {[g['setting'] for g in fails]}" if fails else "")
           + f"; p99 end-to-end also no worse in {len(skewed) - len(worse_e2e)}/{len(skewed)}"
           + (f" (worse in {worse_e2e})" if worse_e2e else ""))
+    default = [b["affinity"] for b in bounds if b["experiment"] == "fleet"]
+    worst = max(default, default=None)
+    goals.append(common.goal("sim_loads_vs_fleet_bound", None if worst is None else round(worst, 3),
+                             "<= 1.5 (affinity loads / fleet bound, default setting, worst fleet size)",
+                             None if worst is None else worst <= 1.5))
     big = [r for r in overhead if r["replicas"] == 1024 and r["kind"] == "policy"]
     goals.append(common.goal("sim_decision_median_us_1024_replicas", round(big[0]["median_us"], 1) if big else None,
                              "<= 50", big[0]["median_us"] <= 50 if big else None))
@@ -403,7 +421,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.json:
         common.write_json(args.json, "cluster_sim", rows, settings,
                           {"overhead": overhead, "stale": st, "wins": table, "win_counts": counts,
-                           "affinity_vs_least_loaded": comparison, "readme_table": md, "live_check": live_rows},
+                           "affinity_vs_least_loaded": comparison, "fleet_bound": bounds, "readme_table": md, "live_check": live_rows},
                           goals=goals)
     png = common.plot_path(args)
     if png:
