@@ -28,10 +28,12 @@ and idle capacity it spreads. A hot adapter gains replicas while its holders' qu
 wait exceeds a load elsewhere and loses them (LRU) as demand falls; a victim with demand
 costs its reload, so replication never evicts an adapter in use for free.
 
-Work-conserving: a replica that is full (``q_i >= cap_i``) cannot start the request now;
-if the best replica is full and no replica that could start it now is within the tie of
-it, the decision is to wait (``wait``: the router waits for capacity, then decides
-again); otherwise the request goes to the best replica that can start it now.
+Work-conserving: a replica that is full (``q_i >= cap_i``), or whose running batch the
+adapter cannot join (every usable slot serves another adapter), cannot start the request
+now: sent there, it would hold a row the batch cannot use until a slot frees. If no
+replica within the tie of the best can start it now, the decision is to wait (``wait``:
+the router waits for capacity, then decides again; the freed row goes to a waiting request
+that can use it); otherwise the request goes to the best replica that can start it now.
 
 Pure function over plain data; no Ray, no I/O. ``FleetView`` is the per-replica state a
 router holds (``routing.view.RouterView`` builds it).
@@ -152,6 +154,7 @@ def choose_replicas(adapter: Optional[str], view: FleetView, loads: Sequence[flo
     free = view.free
     slowdown = config.batch_slowdown if batch_slowdown is None else batch_slowdown
     ect: dict[int, float] = {}
+    blocked: set[int] = set()  # replicas whose running batch the adapter cannot join now
     cost_class: dict[int, int] = {}  # 0 resident, 1 load into a free slot, 2 load that evicts
     best, best_e, best_tol = 0, float("inf"), 0.0
     for i in candidates:
@@ -161,6 +164,7 @@ def choose_replicas(adapter: Optional[str], view: FleetView, loads: Sequence[flo
         e = (q + 1 - cap if q + 1 > cap else 0.0) * t / cap + q * slowdown * t
         if join_check and view.slots[i] and not _can_join(adapter, i, view, active):
             e += config.slot_wait_fraction * t
+            blocked.add(i)
         if adapter is None or i in holders:
             cost_class[i] = 0
         else:
@@ -186,8 +190,8 @@ def choose_replicas(adapter: Optional[str], view: FleetView, loads: Sequence[flo
     tied.sort(key=tie_key)
     best = tied[0]
     chosen = None
-    for i in tied:
-        if loads[i] < (caps[i] if caps is not None else cap_default):
+    for i in tied:  # a row taken by a request that must wait for a slot is a row the batch loses
+        if loads[i] < (caps[i] if caps is not None else cap_default) and i not in blocked:
             chosen = i
             break
     if chosen is None:  # nothing in the tie can start now: wait for it

@@ -108,12 +108,15 @@ class AdapterAffinityRouter(RequestRouter):
                          directory_deployment: str = "AdapterDirectory", poll_timeout_s: float = 5.0,
                          min_poll_interval_s: float = 0.1, host_load_s: float = 0.002, disk_load_s: float = 0.05,
                          default_request_s: float = 0.5, capacity_poll_s: float = 0.05,
-                         metrics_export_interval_s: float = 5.0, requests_per_poll: int = 8) -> None:
+                         metrics_export_interval_s: float = 5.0, requests_per_poll: int = 8,
+                         max_routing_tasks: int = 64) -> None:
         """``load_bound_epsilon``: replicas whose expected completion times are within this many
         queued requests' wait of the best are a tie, broken by rendezvous order (larger: more
         affinity and agreement between routers; smaller: tighter balance). ``host_load_s`` /
         ``disk_load_s`` / ``default_request_s``: priors until replicas report measured ones.
-        ``requests_per_poll``: the directory feed polls at most once per this many routed requests."""
+        ``requests_per_poll``: the directory feed polls at most once per this many routed requests.
+        ``max_routing_tasks``: pending requests routed at once (Serve's default is twice the replica
+        count); see ``max_num_routing_tasks``."""
         self.routing_config = RoutingConfig(tie_epsilon=load_bound_epsilon, host_load_s=host_load_s,
                                             disk_load_s=disk_load_s, default_request_s=default_request_s)
         self.view = RouterView(ttl_s=optimistic_ttl_s)
@@ -124,6 +127,7 @@ class AdapterAffinityRouter(RequestRouter):
         self.capacity_poll_s = capacity_poll_s
         self.metrics_export_interval_s = metrics_export_interval_s
         self.requests_per_poll = requests_per_poll
+        self.max_routing_tasks = max_routing_tasks
         self._routed = 0  # requests routed so far (paces the directory feed)
         self._routed_at_poll = -requests_per_poll  # the first poll goes out at once
         self._feed_due = threading.Event()  # set once requests_per_poll requests were routed since the last poll
@@ -139,6 +143,20 @@ class AdapterAffinityRouter(RequestRouter):
         self._kinds: dict[str, str] = {}  # request id -> decision kind, counted when routed
         self._last_call: tuple[Optional[str], float] = (None, 0.0)
         self.metrics = _RouterMetrics()
+
+    @property
+    def max_num_routing_tasks(self) -> int:
+        """How many pending requests Serve routes at once: enough that a freed row can go to a waiting
+        request whose adapter fits it, not only to the oldest few.
+
+        Serve routes ``2 x replicas`` requests at a time and keeps the rest in a FIFO it does not
+        show the policy. When the oldest few all wait for their adapter's busy holder, a row freed
+        elsewhere stays empty although requests behind them could use it: under saturation that
+        idles replicas. With every waiting request in ``choose_replicas``, each completion wakes
+        them and the first whose expected completion time is lowest there takes the row.
+        """
+        serve_default = 2 * len(self._replicas)
+        return max(serve_default, min(getattr(self, "max_routing_tasks", serve_default), 1000))
 
     async def choose_replicas(self, candidate_replicas: List[RunningReplica],
                               pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
@@ -173,7 +191,10 @@ class AdapterAffinityRouter(RequestRouter):
                 break
             self.decisions["wait"] += 1
             self.metrics.decision("wait")
-            if not await self._wait_for_capacity() and self._others_fill(decision.best):
+            others = self._others_fill(decision.best)
+            # only other routers' completions go unseen: with none in the way, wait for ours (no polling)
+            timeout = self.capacity_poll_s if others else deadline - time.monotonic()
+            if not await self._wait_for_capacity(timeout) and others:
                 # nothing of ours finished, but other routers' requests fill the best replica and
                 # their completions are invisible here: offer it, so Serve asks it for its queue length
                 # (offering every replica made Serve probe each in turn: slower, measured)
@@ -210,14 +231,14 @@ class AdapterAffinityRouter(RequestRouter):
                                active=local.active_by_index(ids), demand=local.demand,
                                last_used=local.last_used_by_index(ids), batch_slowdown=local.batch_slowdown())
 
-    async def _wait_for_capacity(self) -> bool:
-        """Until a request of ours completes or a replica reports room (True), or ``capacity_poll_s``
-        passes (False: other routers' requests may have completed unseen)."""
+    async def _wait_for_capacity(self, timeout: Optional[float] = None) -> bool:
+        """Until a request of ours completes or a replica reports room (True), or ``timeout`` (default
+        ``capacity_poll_s``) passes (False: other routers' requests may have completed unseen)."""
         if self._capacity is None:
             self._capacity = asyncio.Event()
         event = self._capacity
         try:
-            await asyncio.wait_for(event.wait(), self.capacity_poll_s)
+            await asyncio.wait_for(event.wait(), self.capacity_poll_s if timeout is None else max(0.0, timeout))
             return True
         except asyncio.TimeoutError:
             return False

@@ -110,6 +110,18 @@ def test_an_adapter_that_cannot_join_the_running_batch_goes_where_it_can():
     assert choose_replicas("a", v, [3, 3], caps=[8, 8], active=joinable, request_s=[0.4, 0.4]).tiers == [[0]]
 
 
+def test_a_request_that_could_not_join_any_batch_waits_instead_of_holding_a_row():
+    """Both replicas' slots serve other adapters: sent anywhere, the request would hold a row its
+    batch cannot use; it waits in the router, and goes as soon as a slot frees."""
+    ids = IDS[:2]
+    busy = [{"b": 2, "c": 1}, {"d": 1, "e": 1}]
+    v = view({"a": {0}}, slots=2, free=[0, 0], residents=[("b", "c"), ("d", "e")], ids=ids)
+    decision = choose_replicas("a", v, [3, 2], caps=[8, 8], active=busy, request_s=[0.4, 0.4])
+    assert decision.wait and decision.tiers == []
+    freed = [{"b": 2, "c": 1}, {"d": 1}]  # replica 1's "e" finished: a slot the request can take
+    assert choose_replicas("a", v, [3, 1], caps=[8, 8], active=freed, request_s=[0.4, 0.4]).tiers == [[1]]
+
+
 def test_evicting_an_adapter_in_demand_costs_its_reload():
     ids = IDS[:2]
     v = view(free=[0, 0], residents=[("busy",), ("idle",)], host_s=0.01, disk_s=0.01, ids=ids)
