@@ -7,7 +7,7 @@ instance keeps the ``ReplicaScaler``'s hysteresis between calls. The rules are
 
 - ongoing requests: ``ctx.total_num_requests`` (running plus queued at handles, Serve's own);
 - per replica, its latest custom metrics from ``LoRAWorker.record_autoscaling_stats``:
-  ``lorafleet_slots``, ``lorafleet_loads_per_s`` and the working-set sketch
+  ``lorafleet_slots``, ``lorafleet_pinned_slots``, ``lorafleet_loads_per_s`` and the working-set sketch
   ``lorafleet_ws_<i>`` (the fleet's working set is the sketches' union).
 
 Serve applies its own ``upscale_delay_s`` / ``downscale_delay_s`` to what a policy returns; the
@@ -35,6 +35,7 @@ from routing.autoscale import (
 log = logging.getLogger("ray.serve")
 SLOTS_METRIC = "lorafleet_slots"
 LOADS_METRIC = "lorafleet_loads_per_s"
+PINNED_METRIC = "lorafleet_pinned_slots"
 SKETCH_PREFIX = "lorafleet_ws_"
 RULES = {"adapter_aware": adapter_aware_replicas, "queue_only": queue_only_replicas}
 
@@ -56,13 +57,14 @@ def fleet_signals(ctx) -> tuple[FleetSignals, int | None]:
     latest = {name: {replica: _latest(series) for replica, series in per_replica.items()}
               for name, per_replica in raw.items()}
     loads = sum(v for v in latest.get(LOADS_METRIC, {}).values() if v is not None)
+    pinned = sum(int(v) for v in latest.get(PINNED_METRIC, {}).values() if v is not None)
     replicas_with_sketch = set().union(*(latest.get(sketch_metric(i), {}).keys() for i in range(SKETCH_SIZE)))
     sketches = [[latest.get(sketch_metric(i), {}).get(replica) for i in range(SKETCH_SIZE)]
                 for replica in replicas_with_sketch]
     working_set = working_set_size([[v for v in sketch if v is not None] for sketch in sketches])
     slots = [int(v) for v in latest.get(SLOTS_METRIC, {}).values() if v is not None]
     signals = FleetSignals(replicas=ctx.current_num_replicas, ongoing_requests=max(0.0, float(ctx.total_num_requests)),
-                           loads_per_s=max(0.0, loads), working_set=working_set)
+                           loads_per_s=max(0.0, loads), working_set=working_set, pinned_slots=max(0, pinned))
     return signals, (min(slots) if slots else None)
 
 
@@ -108,9 +110,11 @@ class AdapterAwarePolicy:
         state = dict(ctx.policy_state or {})
         state["lorafleet"] = {"desired": desired, "decision": decision, "ongoing": signals.ongoing_requests,
                               "loads_per_s": signals.loads_per_s, "working_set": signals.working_set,
+                              "pinned_slots": signals.pinned_slots,
                               "slots_per_replica": settings.slots_per_replica}
         if decision != ctx.target_num_replicas:
             log.info("lorafleet autoscaling: %d -> %d replicas (wanted %d; ongoing %.1f, loads/s %.2f, "
-                     "working set %d, %d slots each)", ctx.target_num_replicas, decision, desired,
-                     signals.ongoing_requests, signals.loads_per_s, signals.working_set, settings.slots_per_replica)
+                     "working set %d, %d pinned slots, %d slots each)", ctx.target_num_replicas, decision, desired,
+                     signals.ongoing_requests, signals.loads_per_s, signals.working_set, signals.pinned_slots,
+                     settings.slots_per_replica)
         return decision, state

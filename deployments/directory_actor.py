@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import time
 import uuid
 from typing import Optional
 
@@ -19,12 +20,14 @@ from ray import serve
 
 from pool.errors import AdapterNotFoundError
 from routing.directory import AdapterDirectory
+from routing.warm_start import AdapterPlacement, rehome_targets, warm_start_plan
 
 from .metrics import DirectoryMetrics
 from .registry import RegistryEntry, RegistryWriteError
 
 log = logging.getLogger("ray.serve")
 KV_NAMESPACE = "lorafleet"
+DEPARTED_MEMORY_S = 60.0  # how long a departed replica's adapters are offered to survivors
 
 
 class _Versioned:
@@ -60,6 +63,7 @@ class AdapterDirectoryActor:
         self._view_changes = _Versioned()
         self._registry_changes = _Versioned()
         self._app = serve.get_replica_context().app_name
+        self._departed: dict[str, tuple[float, list[str]]] = {}  # replica -> (when, uids it held in slots)
         self.registry: dict[str, RegistryEntry] = self._load_registry()
         self._registry_changes.version = 1
         self._expiry = asyncio.get_event_loop().create_task(self._expire_loop())
@@ -167,6 +171,8 @@ class AdapterDirectoryActor:
         return {uid: dict(c) for uid, c in self.directory.adapter_counts.items()}
 
     def forget_replica(self, replica_id: str) -> bool:
+        """A replica leaves (its own goodbye on graceful shutdown, or a caller that knows it is gone)."""
+        self._remember_departed([replica_id])
         forgotten = self.directory.forget_replica(replica_id)
         if forgotten:
             self._view_changes.bump()
@@ -177,9 +183,48 @@ class AdapterDirectoryActor:
         while True:
             await asyncio.sleep(1.0)
             self.metrics.update(self.directory)
-            if self.directory.expire():
+            held = {r: sorted(s.resident) for r, s in self.directory.replicas.items()}
+            expired = self.directory.expire()
+            if expired:
+                self._remember_departed(expired, held)
                 self._view_changes.bump()
                 self._registry_changes.bump()
+
+    # ------------------------------------------------------------------ elastic fleet (warm start, scale-down)
+
+    def _remember_departed(self, replica_ids: list[str], held: dict[str, list[str]] | None = None) -> None:
+        """Keep what departing replicas held in slots for a minute, for ``rehome_plan``."""
+        now = time.monotonic()
+        self._departed = {r: v for r, v in self._departed.items() if now - v[0] < DEPARTED_MEMORY_S}
+        for replica_id in replica_ids:
+            state = self.directory.replicas.get(replica_id)
+            uids = sorted(state.resident) if state is not None else (held or {}).get(replica_id)
+            if uids is not None:
+                self._departed[replica_id] = (now, uids)
+
+    def _names_by_uid(self) -> dict[str, str]:
+        return {e.uid: name for name, e in self.registry.items()}
+
+    async def warm_start_plan(self, replica_id: str, slots: int, host_limit: int) -> dict:
+        """What a replica joining the fleet should load before it takes traffic (routing/warm_start.py)."""
+        placements = [AdapterPlacement(name, e.replicas if e.pinned else 0,
+                                       len(self.directory.holders.get(e.uid, ())))
+                      for name, e in self.registry.items()]
+        plan = warm_start_plan(replica_id, list(self.directory.replicas), placements, slots, host_limit)
+        if plan.skipped_pins:
+            log.warning("lorafleet directory: %s would pin %s beyond its %d slots - 1; not pinned there",
+                        replica_id, list(plan.skipped_pins), slots)
+        return plan.to_dict()
+
+    async def rehome_plan(self, replica_id: str) -> list[str]:
+        """The adapters that replicas which left in the last minute held and ``replica_id`` should prefetch."""
+        now = time.monotonic()
+        names = self._names_by_uid()
+        departed = [names[uid] for r, (when, uids) in self._departed.items()
+                    if now - when < DEPARTED_MEMORY_S and r not in self.directory.replicas
+                    for uid in uids if uid in names]
+        holders = {name: self.directory.holders.get(uid, ()) for uid, name in names.items()}
+        return rehome_targets(departed, list(self.directory.replicas), holders).get(replica_id, [])
 
     def check_health(self) -> None:
         if self._expiry.done():

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import os
 import time
+from collections import Counter
 from typing import AsyncIterator, Optional
 
 import torch
@@ -22,13 +23,16 @@ from ray.serve.config import RequestRouterConfig
 from engine.engine import LoRAEngine
 from engine.request import GenerateRequest, GenerateResult, ReplicaTarget, TokenDelta
 from pool.errors import AdapterNotFoundError, LoRAFleetError
+from pool.events import PoolEvent
+from routing.autoscale import DemandWindow, working_set_sketch
 from routing.load_timings import LoadTimings
 from routing.pins import pin_holders
 from routing.ray_router import check_router_kwargs
 
+from .autoscaling import LOADS_METRIC, PINNED_METRIC, SLOTS_METRIC, sketch_metric
 from .config import AppArgs, resolve_demo_source
-from .event_buffer import EventBuffer
 from .engine_metrics import EngineMetrics
+from .event_buffer import EventBuffer
 from .metrics import PoolMetrics
 from .registry import RegistryEntry, RegistryFollower
 
@@ -83,15 +87,59 @@ class LoRAWorker:
         self.load_timings = LoadTimings()
         self._load_locks: dict[str, asyncio.Lock] = {}
         self._retiring: set[str] = set()
+        self._refused_pins: set[str] = set()  # uids whose refused pin was logged (the pin loop retries each second)
+        self.demand = DemandWindow(self.args.demand_window_s)
+        self.demand.observe_loads(0, time.monotonic())  # warm-up loads count too
+        self.warm_start: dict = {}
+        self._loads_after_ready: Counter = Counter()  # uid -> slot loads since warm-up ended (benchmarks.elastic)
+        self.engine.subscribe_pool_events(self._count_load)
+        self._left = False
         self._tasks: list[asyncio.Task] = []
         if directory is not None:
             loop = asyncio.get_running_loop()
             self._tasks = [loop.create_task(self._report_loop()), loop.create_task(self.registry.run()),
                            loop.create_task(self._pin_loop())]
+            await self._warm_up()
+
+    async def _warm_up(self) -> None:
+        """Load what the directory says this replica should hold (pins, hot adapters whose next copy
+        belongs here), bounded by ``warm_start_timeout_s``, then report the pool so routers see it
+        with its adapters before Serve sends traffic (Serve routes to a replica once this returns)."""
+        started = time.monotonic()
+        plan: dict = {}
+        if self.args.warm_start_timeout_s > 0:
+            try:
+                plan = await asyncio.wait_for(self._load_warm_start_plan(), self.args.warm_start_timeout_s)
+            except Exception as exc:  # a slow or failing source must not keep the replica from starting
+                log.warning("lorafleet worker %s: warm start stopped after %.1f s (%r); starting with what is "
+                            "loaded", self.replica_id, time.monotonic() - started, exc)
+        snap = self.engine.pool_snapshot()
+        self.warm_start = {"plan": plan, "seconds": round(time.monotonic() - started, 3),
+                           "loads_at_ready": snap.counters.loads, "resident": sorted(snap.resident)}
+        try:
+            await self.directory.report.remote(self.replica_id, [], self._heartbeat(), snap.to_dict())
+        except Exception as exc:  # the report loop keeps trying and resyncs
+            log.warning("lorafleet worker %s: first report failed (%r)", self.replica_id, exc)
+            self.events.request_resync()
+
+    async def _load_warm_start_plan(self) -> dict:
+        await self.registry.refresh()
+        slots = self.args.max_loras_per_batch
+        plan = await self.directory.warm_start_plan.remote(self.replica_id, slots, slots)
+        await self._apply_pins()  # the plan's pins: the same rule, over the same replica set
+        for name in plan["slots"]:
+            if name not in plan["pins"] and name in self.registry.entries:
+                await self._ensure_adapter(name)
+                await self.engine.generate(GenerateRequest(adapter=name, prompt="warm", max_tokens=1))
+        for name in plan["host"]:
+            if name in self.registry.entries:
+                await self._ensure_adapter(name)
+        return plan
 
     # ------------------------------------------------------------------ requests
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
+        self._count_demand(request.adapter)
         await self._ensure_adapter(request.adapter)
         result = await self.engine.generate(request)
         result.replica_id = self.replica_id
@@ -99,11 +147,21 @@ class LoRAWorker:
 
     async def generate_stream(self, request: GenerateRequest) -> AsyncIterator[TokenDelta | GenerateResult]:
         """Deltas as produced, then the ``GenerateResult`` (usage, finish reason)."""
+        self._count_demand(request.adapter)
         await self._ensure_adapter(request.adapter)
         async for item in self.engine.generate_stream(request, with_result=True):
             if isinstance(item, GenerateResult):
                 item.replica_id = self.replica_id
             yield item
+
+    def _count_load(self, event: PoolEvent) -> None:
+        """On the engine thread: count slot loads once the replica is ready (cheap, no lock needed)."""
+        if event.kind == "load" and self.warm_start:
+            self._loads_after_ready[event.uid] += 1
+
+    def _count_demand(self, name: Optional[str]) -> None:
+        if name is not None:
+            self.demand.requested(name, time.monotonic())
 
     async def _ensure_adapter(self, name: Optional[str]) -> None:
         if name is None:
@@ -162,6 +220,7 @@ class LoRAWorker:
         snap = self.engine.pool_snapshot().to_dict()
         snap["host_cached"] = self.engine.host_cached_uids()
         snap["engine"] = {k: v for k, v in self.engine.stats().items() if k not in ("adapters", "host_cached")}
+        snap["warm_start"] = {**self.warm_start, "loads_after_ready": dict(self._loads_after_ready)}
         return snap
 
     # ------------------------------------------------------------------ Serve hooks
@@ -177,6 +236,18 @@ class LoRAWorker:
             "load_s": self.load_timings.report(),  # measured host-copy / disk-read seconds (routers price loads)
         }
 
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metrics (deployments/autoscaling.py reads them): slots, pinned slots,
+        pool loads per second and the sketch of adapters requested over the last ``demand_window_s``."""
+        now = time.monotonic()
+        snap = self.engine.pool_snapshot()
+        self.demand.observe_loads(snap.counters.loads, now)
+        stats = {SLOTS_METRIC: float(snap.slots), PINNED_METRIC: float(len(snap.pinned)),
+                 LOADS_METRIC: self.demand.loads_per_s(now)}
+        for i, value in enumerate(working_set_sketch(self.demand.names(now))):
+            stats[sketch_metric(i)] = value
+        return stats
+
     def check_health(self) -> None:
         if not self.engine.healthy():
             raise RuntimeError("the engine is unhealthy: its thread died or its steps keep failing")
@@ -191,6 +262,12 @@ class LoRAWorker:
     def __del__(self):
         for task in getattr(self, "_tasks", []):
             task.cancel()
+        if getattr(self, "directory", None) is not None and not getattr(self, "_left", True):
+            self._left = True  # Serve calls this on a graceful stop: say goodbye so pins move at once
+            try:
+                self.directory.forget_replica.remote(self.replica_id)
+            except Exception as exc:  # the directory is gone too: it forgets silent replicas by itself
+                log.warning("lorafleet worker %s: goodbye to the directory failed (%r)", self.replica_id, exc)
         if hasattr(self, "engine"):
             self.engine.shutdown()
 
@@ -219,6 +296,7 @@ class LoRAWorker:
                 last_heartbeat = now
                 self.metrics.update(*self.engine.pool_metrics_sources())
                 self.engine_metrics.update(self.engine.stats())
+                self.demand.observe_loads(self.engine.pool_snapshot().counters.loads, now)
             events, resync = self.events.drain()
             snapshot = self.engine.pool_snapshot().to_dict() if resync else None
             try:
@@ -248,10 +326,25 @@ class LoRAWorker:
     async def _pin_loop(self) -> None:
         """Pins are desired state: one that could not be applied (busy slots, a replica just added or
         removed) is tried again every PIN_RETRY_INTERVAL_S until it holds."""
+        known = set(self.registry.replicas)
         while True:
             await asyncio.sleep(PIN_RETRY_INTERVAL_S)
             if self._pins_differ():
                 await self._apply_pins()
+            now_known = set(self.registry.replicas)
+            if known - now_known:
+                await self._prefetch_departed()
+            known = now_known
+
+    async def _prefetch_departed(self) -> None:
+        """Replicas left: read the adapters they held that now fall to this replica into the host tier."""
+        try:
+            names = await self.directory.rehome_plan.remote(self.replica_id)
+            for name in names:
+                if name in self.registry.entries:
+                    await self._ensure_adapter(name)
+        except Exception as exc:  # best effort: a request still loads what it needs
+            log.warning("lorafleet worker %s: prefetch after a scale-down failed (%r)", self.replica_id, exc)
 
     def _pins_differ(self) -> bool:
         replicas = sorted(set(self.registry.replicas) | {self.replica_id})
@@ -273,4 +366,7 @@ class LoRAWorker:
                 elif is_pinned and not should_pin:
                     await asyncio.to_thread(self.engine.unpin_adapter, name)
             except LoRAFleetError as exc:  # a refused pin (starvation guard) must not break the sync loop
-                log.warning("lorafleet worker %s: pin of %s failed: %r", self.replica_id, name, exc)
+                if entry.uid not in self._refused_pins:  # logged once; the pin loop keeps retrying
+                    self._refused_pins.add(entry.uid)
+                    log.warning("lorafleet worker %s: pin of %s refused (kept trying each %.0f s): %r",
+                                self.replica_id, name, PIN_RETRY_INTERVAL_S, exc)

@@ -6,7 +6,7 @@ Pure and deterministic (time is passed in), so the live Serve policy
 - ``queue_only_replicas`` is Serve's default idea: enough replicas that each holds about
   ``target_ongoing_per_replica`` requests.
 - ``adapter_aware_replicas`` also sizes the fleet's slots to the working set of adapters in
-  demand (``working_set × headroom`` slots) and adds a replica while the fleet pays more than
+  demand (``working_set × headroom`` slots besides those pins hold) and adds a replica while the fleet pays more than
   ``max_loads_per_s_per_replica`` loads per second per replica. It lets the fleet shrink only
   when the working set still fits and the load rate would stay under that bound.
 - ``ReplicaScaler`` turns a momentary wish into a decision: up only after the wish persisted
@@ -70,15 +70,17 @@ class AutoscaleSettings:
 
 @dataclass(frozen=True)
 class FleetSignals:
-    """What the fleet reports: its size, requests in it (queued included), loads/s, working set."""
+    """What the fleet reports: its size, requests in it (queued included), loads/s, working set, and the
+    slots its pins hold (those slots cannot take the working set)."""
 
     replicas: int
     ongoing_requests: float
     loads_per_s: float
     working_set: int
+    pinned_slots: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("replicas", "ongoing_requests", "loads_per_s", "working_set"):
+        for name in ("replicas", "ongoing_requests", "loads_per_s", "working_set", "pinned_slots"):
             value = getattr(self, name)
             if not (value >= 0 and math.isfinite(value)):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value}")
@@ -90,8 +92,9 @@ def queue_need(signals: FleetSignals, settings: AutoscaleSettings) -> int:
 
 
 def slot_need(signals: FleetSignals, settings: AutoscaleSettings) -> int:
-    """Replicas whose slots hold the working set with headroom (unclamped)."""
-    return math.ceil(signals.working_set * settings.working_set_headroom / settings.slots_per_replica - 1e-9)
+    """Replicas whose slots hold the pins plus the working set with headroom (unclamped)."""
+    wanted = signals.working_set * settings.working_set_headroom + signals.pinned_slots
+    return math.ceil(wanted / settings.slots_per_replica - 1e-9)
 
 
 def load_need(signals: FleetSignals, settings: AutoscaleSettings) -> int:
@@ -200,10 +203,11 @@ class DemandWindow:
             self._loads.popleft()  # keep one sample at or before the window's start
 
     def loads_per_s(self, now: float) -> float:
+        """Loads in the window over the whole window: a young replica's first loads do not read as a storm."""
         if len(self._loads) < 2:
             return 0.0
-        (t0, n0), (t1, n1) = self._loads[0], self._loads[-1]
-        return (n1 - n0) / max(t1 - t0, 1e-9, min(self.window_s, now - t0))
+        (_, n0), (_, n1) = self._loads[0], self._loads[-1]
+        return (n1 - n0) / self.window_s
 
     def names(self, now: float) -> list[str]:
         """Adapters requested within the window (older ones are forgotten here)."""

@@ -22,8 +22,9 @@ SETTINGS = AutoscaleSettings(min_replicas=2, max_replicas=6, target_ongoing_per_
                              max_loads_per_s_per_replica=0.5, working_set_headroom=1.0)
 
 
-def signals(replicas=2, ongoing=0.0, loads=0.0, working_set=0) -> FleetSignals:
-    return FleetSignals(replicas=replicas, ongoing_requests=ongoing, loads_per_s=loads, working_set=working_set)
+def signals(replicas=2, ongoing=0.0, loads=0.0, working_set=0, pinned=0) -> FleetSignals:
+    return FleetSignals(replicas=replicas, ongoing_requests=ongoing, loads_per_s=loads, working_set=working_set,
+                        pinned_slots=pinned)
 
 
 # ---------------------------------------------------------------------- the two rules
@@ -44,6 +45,11 @@ def test_a_working_set_beyond_the_slots_asks_for_replicas_that_hold_it():
     assert adapter_aware_replicas(signals(ongoing=1, working_set=9), SETTINGS) == 3
     roomy = AutoscaleSettings(**{**SETTINGS.__dict__, "working_set_headroom": 1.5})
     assert adapter_aware_replicas(signals(ongoing=1, working_set=9), roomy) == 5  # ceil(13.5 / 3)
+
+
+def test_slots_held_by_pins_do_not_count_for_the_working_set():
+    assert adapter_aware_replicas(signals(working_set=4), SETTINGS) == 2  # 4 of 6 slots
+    assert adapter_aware_replicas(signals(working_set=4, pinned=3), SETTINGS) == 3  # 3 pinned + 4 > 6
 
 
 def test_loads_above_the_bound_add_one_replica():
@@ -151,13 +157,18 @@ def context(policy_state=None, *, ongoing=0.0, replicas=2, target=None, now=0.0,
     from ray.serve._private.common import DeploymentID, ReplicaID, TimeStampedValue
     from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
-    from deployments.autoscaling import LOADS_METRIC, SLOTS_METRIC, sketch_metric
+    from deployments.autoscaling import (
+        LOADS_METRIC,
+        PINNED_METRIC,
+        SLOTS_METRIC,
+        sketch_metric,
+    )
 
     dep = DeploymentID(name="LoRAWorker", app_name="lorafleet")
     ids = {r: ReplicaID(unique_id=r, deployment_id=dep) for r in (per_replica or {})}
     raw: dict = {}
     for r, m in (per_replica or {}).items():
-        values = {SLOTS_METRIC: m["slots"], LOADS_METRIC: m["loads_per_s"]}
+        values = {SLOTS_METRIC: m["slots"], LOADS_METRIC: m["loads_per_s"], PINNED_METRIC: m.get("pinned", 0)}
         values.update({sketch_metric(i): v for i, v in enumerate(working_set_sketch(m["adapters"]))})
         for name, value in values.items():  # an older sample first: the policy reads the newest
             raw.setdefault(name, {})[ids[r]] = [TimeStampedValue(now - 5, -1.0), TimeStampedValue(now, float(value))]
@@ -179,8 +190,11 @@ def fleet(adapters_per_replica, loads=0.0):
 def test_the_policy_reads_the_working_set_across_replicas_from_the_context():
     from deployments.autoscaling import fleet_signals
 
-    signals, slots = fleet_signals(context(ongoing=3.0, per_replica=fleet([["a", "b", "c"], ["c", "d"]], 0.25)))
-    assert (signals.working_set, signals.loads_per_s, signals.ongoing_requests, slots) == (4, 0.5, 3.0, 3)
+    per_replica = fleet([["a", "b", "c"], ["c", "d"]], 0.25)
+    per_replica["r1"]["pinned"] = 2
+    signals, slots = fleet_signals(context(ongoing=3.0, per_replica=per_replica))
+    assert (signals.working_set, signals.loads_per_s, signals.ongoing_requests, signals.pinned_slots, slots) == \
+        (4, 0.5, 3.0, 2, 3)
 
 
 def test_the_policy_scales_out_for_a_working_set_beyond_the_slots_after_its_delay():
