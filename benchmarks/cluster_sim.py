@@ -34,6 +34,7 @@ from typing import Any, Optional, Sequence
 from . import common
 from .sim import SimConfig, run_sim
 from .sim.costs import CostModel
+from .sim.elastic_runs import elastic_tasks, report, run_elastic
 from .sim.fleet_bound import bound_rows, fleet_bound
 from .sim.overhead import measure
 from .traces import Popularity, make_trace
@@ -118,15 +119,18 @@ def run_task(task: tuple[Setting, str]) -> dict[str, Any]:
     return row
 
 
+def parallel_map(fn, items: Sequence, workers: int) -> list:
+    if workers <= 1:
+        return [fn(t) for t in items]
+    with mp.get_context("fork").Pool(workers) as pool:
+        return pool.map(fn, items, chunksize=1)
+
+
 def run_tasks(tasks: Sequence[tuple[Setting, str]], workers: int) -> list[dict[str, Any]]:
     # biggest first so the pool's workers finish together; results go back in plan order
     order = sorted(range(len(tasks)), key=lambda i: -tasks[i][0].requests * (3 if tasks[i][1] in VIEW_ROUTERS else 1))
     ordered = [tasks[i] for i in order]
-    if workers <= 1:
-        results = [run_task(t) for t in ordered]
-    else:
-        with mp.get_context("fork").Pool(workers) as pool:
-            results = pool.map(run_task, ordered, chunksize=1)
+    results = parallel_map(run_task, ordered, workers)
     rows: list[Optional[dict]] = [None] * len(tasks)
     for i, r in zip(order, results):
         rows[i] = r
@@ -297,6 +301,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="processes for the simulations (default: min(2, CPUs))")
     parser.add_argument("--per-replica", type=int, help="requests per replica (default 150; 200 with --quick)")
     parser.add_argument("--skip-overhead", action="store_true", help="do not time the routing decision")
+    parser.add_argument("--skip-elastic", action="store_true", help="no scale-event or autoscaling runs")
     parser.add_argument("--live-json", metavar="PATH",
                         help="a routing_live --json run: simulate its cells and check the ranking matches")
     parser.add_argument("--live-only", action="store_true", help="with --live-json: only that check")
@@ -327,6 +332,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                 seed=args.seed)
 
     rows = run_tasks(plan.tasks, args.workers)
+    elastic = [] if args.skip_elastic else elastic_tasks(args.quick, args.seed)
+    # the autoscaling runs are the longest: first, so the workers finish together
+    elastic_rows = parallel_map(run_elastic, sorted(elastic, key=lambda t: t[0] != "autoscale"), args.workers)
     for experiment, title in (("fleet", "fleet size (adapters grow with it)"), ("skew", "skew"),
                               ("load", "offered load"), ("cv", "arrival burstiness (gamma CV)")):
         sel = [r for r in rows if r["experiment"] == experiment]
@@ -381,6 +389,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                              "router's measured loads / bound; bound_total and affinity_total: the whole run from "
                              "empty slots")
 
+    elastic_goals, elastic_extra = report(elastic_rows, elastic)
+
     comparison = affinity_vs_least_loaded(rows)
     table, counts = wins_table(rows)
     skewed = [g for g in comparison if g["skewed"]]
@@ -398,6 +408,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     goals.append(common.goal("sim_loads_vs_fleet_bound", None if worst is None else round(worst, 3),
                              "<= 1.5 (affinity loads / fleet bound, default setting, worst fleet size)",
                              None if worst is None else worst <= 1.5))
+    goals += elastic_goals
     big = [r for r in overhead if r["replicas"] == 1024 and r["kind"] == "policy"]
     goals.append(common.goal("sim_decision_median_us_1024_replicas", round(big[0]["median_us"], 1) if big else None,
                              "<= 50", big[0]["median_us"] <= 50 if big else None))
@@ -421,7 +432,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.json:
         common.write_json(args.json, "cluster_sim", rows, settings,
                           {"overhead": overhead, "stale": st, "wins": table, "win_counts": counts,
-                           "affinity_vs_least_loaded": comparison, "fleet_bound": bounds, "readme_table": md, "live_check": live_rows},
+                           "affinity_vs_least_loaded": comparison, "fleet_bound": bounds, **elastic_extra,
+                           "readme_table": md, "live_check": live_rows},
                           goals=goals)
     png = common.plot_path(args)
     if png:

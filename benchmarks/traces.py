@@ -14,6 +14,7 @@ arrival CV does not change which adapters are requested.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
@@ -170,3 +171,94 @@ def top_share(adapters: np.ndarray, num_adapters: int, fraction: float = 0.1) ->
 def standard_popularities() -> list[Popularity]:
     """The settings docs/design.md names: S-LoRA alpha in {0.1, 0.3, 0.6, 1.0}, Zipf s in {0.8, 1.0, 1.2}."""
     return [Popularity("power", a) for a in (0.1, 0.3, 0.6, 1.0)] + [Popularity("zipf", s) for s in (0.8, 1.0, 1.2)]
+
+
+# ---------------------------------------------------------------------------- time-varying load
+
+
+def profile_arrivals(duration_s: float, rate_at: Callable[[np.ndarray], np.ndarray], cv: float,
+                     rng: np.random.Generator, grid_s: float = 1.0) -> np.ndarray:
+    """Arrivals in ``[0, duration_s)`` whose rate follows ``rate_at(t)`` (vectorised, >= 0).
+
+    Time rescaling: a renewal process of unit rate with gamma gaps (this CV) is mapped
+    through the inverse of the cumulative rate, integrated on a ``grid_s`` grid (the rate
+    is held constant within each cell); CV 1 gives an inhomogeneous Poisson process.
+    """
+    if duration_s <= 0 or cv <= 0 or grid_s <= 0:
+        raise ValueError(f"duration_s, cv and grid_s must be > 0, got {duration_s}, {cv}, {grid_s}")
+    edges = np.arange(0.0, duration_s + grid_s, grid_s)
+    edges[-1] = duration_s
+    rates = np.asarray(rate_at(edges[:-1]), dtype=np.float64)
+    if rates.shape != edges[:-1].shape or (rates < 0).any() or not np.isfinite(rates).all():
+        raise ValueError("rate_at must return one finite rate >= 0 per time given")
+    cumulative = np.concatenate([[0.0], np.cumsum(rates * np.diff(edges))])
+    total = cumulative[-1]
+    shape, scale = 1.0 / (cv * cv), cv * cv
+    units = np.cumsum(rng.gamma(shape, scale, int(total * 1.1) + 64))
+    while units.size and units[-1] < total:
+        units = np.concatenate([units, units[-1] + np.cumsum(rng.gamma(shape, scale, int(total * 0.1) + 64))])
+    units = units[units < total]
+    return np.interp(units, cumulative, edges)
+
+
+@dataclass(frozen=True)
+class Diurnal:
+    """A compressed day with bursts: the rate swings between ``trough`` and ``peak`` requests/s
+    over ``day_s`` (lowest at 0), and bursts (Poisson, one per ``burst_gap_s`` on average, each
+    ``burst_s`` long) add ``burst_factor`` x the current rate of requests for ``burst_adapters``
+    adapters drawn from the whole population (a tenant's batch job, mostly cold adapters)."""
+
+    trough: float
+    peak: float
+    day_s: float
+    burst_gap_s: float
+    burst_s: float
+    burst_factor: float
+    burst_adapters: int
+
+    def base_rate(self, t: np.ndarray) -> np.ndarray:
+        return self.trough + (self.peak - self.trough) * (1.0 - np.cos(2.0 * np.pi * t / self.day_s)) / 2.0
+
+
+def make_diurnal_trace(days: float, num_adapters: int, popularity: Popularity, shape: Diurnal, *,
+                       cv: float = 1.0, seed: int = 0, rank_choices: Sequence[int] = RANK_CHOICES) -> Trace:
+    """``days`` of ``shape``: the steady stream draws adapters from ``popularity``, each burst from
+    its own few adapters; ``meta["bursts"]`` lists the bursts' (start, end) seconds."""
+    if num_adapters < 1 or days <= 0 or shape.burst_adapters < 1:
+        raise ValueError(f"need num_adapters >= 1, days > 0, burst_adapters >= 1; got {num_adapters}, {days}, "
+                         f"{shape.burst_adapters}")
+    g = rngs(seed)
+    duration = days * shape.day_s
+    starts = np.cumsum(g["arrivals"].exponential(shape.burst_gap_s, int(duration / shape.burst_gap_s * 2) + 4))
+    starts = starts[starts < duration - shape.burst_s]
+    steady = profile_arrivals(duration, shape.base_rate, cv, g["arrivals"])
+    adapters = [popularity.sample(steady.size, num_adapters, g["adapters"])]
+    times = [steady]
+    for start in starts.tolist():
+        burst = start + profile_arrivals(shape.burst_s, lambda t, s=start: shape.burst_factor * shape.base_rate(t + s),
+                                         cv, g["arrivals"])
+        own = g["adapters"].choice(num_adapters, shape.burst_adapters, replace=False)
+        adapters.append(own[g["adapters"].integers(0, shape.burst_adapters, burst.size)])
+        times.append(burst)
+    arrivals = np.concatenate(times)
+    order = np.argsort(arrivals, kind="stable")
+    inputs, outputs = request_lengths(arrivals.size, g["lengths"])
+    return Trace(adapters=np.concatenate(adapters)[order].astype(np.int64), arrivals=arrivals[order],
+                 input_lens=inputs, output_lens=outputs, ranks=adapter_ranks(num_adapters, g["ranks"], rank_choices),
+                 num_adapters=num_adapters, popularity=popularity,
+                 meta={"shape": shape.__dict__, "days": days, "cv": cv, "seed": seed,
+                       "bursts": [(s, s + shape.burst_s) for s in starts.tolist()]})
+
+
+def make_profile_trace(duration_s: float, num_adapters: int, popularity: Popularity,
+                       rate_at: Callable[[np.ndarray], np.ndarray], *, cv: float = 1.0, seed: int = 0,
+                       rank_choices: Sequence[int] = RANK_CHOICES) -> Trace:
+    """Like ``make_trace`` but over ``duration_s`` seconds at the time-varying rate ``rate_at``."""
+    g = rngs(seed)
+    arrivals = profile_arrivals(duration_s, rate_at, cv, g["arrivals"])
+    inputs, outputs = request_lengths(arrivals.size, g["lengths"])
+    return Trace(adapters=popularity.sample(arrivals.size, num_adapters, g["adapters"]), arrivals=arrivals,
+                 input_lens=inputs, output_lens=outputs, ranks=adapter_ranks(num_adapters, g["ranks"], rank_choices),
+                 num_adapters=num_adapters, popularity=popularity,
+                 meta={"duration_s": duration_s, "cv": cv, "seed": seed, "family": popularity.family,
+                       "param": popularity.param})

@@ -45,7 +45,7 @@ from .config import SimConfig, SimRequest
 from .feed import DirectoryFeed
 from .routers import ROUTERS
 
-_RETRY, _DONE, _SYNC = 1, 2, 3
+_RETRY, _DONE, _SYNC, _CALL = 1, 2, 3, 4
 
 
 class HostTier:
@@ -69,7 +69,7 @@ class HostTier:
 
 
 class SimReplica:
-    __slots__ = ("idx", "rid", "pool", "sched", "host", "stall_total", "stall_end", "served", "load_s")
+    __slots__ = ("idx", "rid", "pool", "sched", "host", "stall_total", "stall_end", "served", "load_s", "ongoing")
 
     def __init__(self, idx: int, rid: str, config: SimConfig, fetch, listener):
         self.idx, self.rid = idx, rid
@@ -85,6 +85,7 @@ class SimReplica:
         self.stall_end = 0.0
         self.served = 0
         self.load_s = 0.0
+        self.ongoing = 0  # dispatched here, not finished (routable or not)
 
 
 @dataclass
@@ -134,12 +135,13 @@ class Simulator:
         self._configs: dict[int, AdapterConfig] = {}
         self.feed: Optional[DirectoryFeed] = None
         self.directory: Optional[AdapterDirectory] = None
-        listener = None
+        self._listener = None
         if self.router.uses_view:
             self.feed = DirectoryFeed(lambda: self.now, config.lag_s)
             self.directory = self.feed.directory
-            listener = self.feed.on_pool_event
-        self.replicas = [SimReplica(i, rid, config, self._fetch, listener) for i, rid in enumerate(self.ids)]
+            self._listener = self.feed.on_pool_event
+        self.replicas = [SimReplica(i, rid, config, self._fetch, self._listener) for i, rid in enumerate(self.ids)]
+        self.routable = list(range(config.replicas))  # replica index per position in ``ids``
         self.heap: list = []
         self._seq = 0
         self.retries = 0
@@ -164,13 +166,40 @@ class Simulator:
         """Deliver events at least ``lag_s`` old to the directory; the router pulls the delta."""
         self.feed.sync(self.router)
 
+    def at(self, t: float, action) -> None:
+        """Call ``action()`` at simulated time ``t`` (scale events)."""
+        self._push(t, _CALL, action)
+
+    # ------------------------------------------------------------------ membership
+
+    def new_replica(self) -> SimReplica:
+        """A replica that exists (its pool can load) but takes no traffic until ``set_routable`` names it."""
+        idx = len(self.replicas)
+        replica = SimReplica(idx, f"replica-{idx:04d}", self.config, self._fetch, self._listener)
+        self.replicas.append(replica)
+        return replica
+
+    def set_routable(self, indices) -> None:
+        """The replicas routers choose from (sorted by id, as the Serve router sorts). One left out keeps
+        running what it was sent (Serve drains a replica it stops)."""
+        order = sorted(set(indices))
+        if not order or not all(0 <= i < len(self.replicas) for i in order):
+            raise ValueError(f"routable replicas must be a non-empty subset of 0..{len(self.replicas) - 1}, "
+                             f"got {sorted(set(indices))}")
+        self.routable = order
+        self.ids = tuple(self.replicas[i].rid for i in order)
+        self.ongoing = np.array([self.replicas[i].ongoing for i in order], dtype=np.float64)
+        self.routing_tasks = self.config.routing_tasks_per_replica * len(order)
+        self.router.replicas_changed()
+
     # ------------------------------------------------------------------ replica
 
-    def _dispatch(self, req: SimRequest, idx: int) -> None:
-        req.replica = idx
+    def _dispatch(self, req: SimRequest, pos: int) -> None:
+        replica = self.replicas[self.routable[pos]]
+        req.replica = replica.idx
         req.t_dispatch = self.now
-        self.ongoing[idx] += 1
-        replica = self.replicas[idx]
+        self.ongoing[pos] += 1
+        replica.ongoing += 1
         replica.sched.add(req)
         self._admit(replica)
 
@@ -214,7 +243,11 @@ class Simulator:
         req.t_done = self.now
         replica.sched.finish(req)
         replica.served += 1
-        self.ongoing[replica.idx] -= 1
+        replica.ongoing -= 1
+        if len(self.routable) == len(self.replicas):  # every replica routable: position = index
+            self.ongoing[replica.idx] -= 1
+        elif replica.idx in self.routable:
+            self.ongoing[self.routable.index(replica.idx)] -= 1
         if replica.sched.running:
             replica.pool.retain_batch(replica.sched.running_uids())
         else:
@@ -288,6 +321,8 @@ class Simulator:
                 self._finish(obj)
             elif kind == _RETRY:
                 self._route(obj)
+            elif kind == _CALL:
+                obj()
             else:
                 self._sync()
                 self._push(when + self.config.lag_s, _SYNC, None)
@@ -303,7 +338,7 @@ class Simulator:
         waited = sum(1 for r in measured if r.t_admit > r.t_dispatch)
         loads = sum(1 for r in measured if r.loaded)
         disk = sum(1 for r in measured if r.disk)
-        per_replica = np.bincount([r.replica for r in measured], minlength=cfg.replicas)
+        per_replica = np.bincount([r.replica for r in measured], minlength=len(self.replicas))
         pools = [r.pool for r in self.replicas]
         q = lambda a, p: float(np.percentile(a, p)) if len(a) else float("nan")
         return SimResult(

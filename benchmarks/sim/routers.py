@@ -76,6 +76,9 @@ class Router(ABC):
     def apply_directory_reply(self, reply: Mapping) -> None:  # pragma: no cover - view routers only
         pass
 
+    def replicas_changed(self) -> None:
+        """``sim.ids`` changed (scale events): per-replica tables follow it."""
+
     def _count(self, kind: str) -> None:
         self.kinds[kind] = self.kinds.get(kind, 0) + 1
 
@@ -109,6 +112,9 @@ class AffinityRouter(_ViewRouter):
         self.local = LocalRouterState(clock=lambda: sim.now)
         self.caps = [float(sim.max_ongoing)] * len(sim.ids)
 
+    def replicas_changed(self):
+        self.caps = [float(self.sim.max_ongoing)] * len(self.sim.ids)
+
     def route(self, req, now):
         sim, local = self.sim, self.local
         ids = sim.ids
@@ -141,6 +147,9 @@ class MultiplexRouter(_ViewRouter):
         self._fewest_for: Optional[FleetView] = None
         self._fewest: np.ndarray = np.arange(len(sim.ids))
         self.timeout_s = sim.config.multiplex_timeout_s
+
+    def replicas_changed(self):
+        self._fewest_for = None
 
     def _fewest_models(self, fv: FleetView) -> np.ndarray:
         if fv is not self._fewest_for:
@@ -229,7 +238,11 @@ class HashRouter(Router):
 
     def __init__(self, sim: Fleet):
         super().__init__(sim)
-        self.hashes = np.fromiter((stable_hash(r) for r in sim.ids), dtype=np.uint64, count=len(sim.ids))
+        self.replicas_changed()
+
+    def replicas_changed(self):
+        ids = self.sim.ids
+        self.hashes = np.fromiter((stable_hash(r) for r in ids), dtype=np.uint64, count=len(ids))
 
     def route(self, req, now):
         ongoing = self.sim.ongoing

@@ -1,0 +1,123 @@
+"""Replicas joining and leaving the simulated fleet mid-trace, cold or warm.
+
+Why: Serve adds a replica with empty slots and routes to it at once; the live warm start
+(``routing.warm_start``) loads what the directory says the replica should hold first. This
+runs both on the same trace so the minute after a scale event can be compared with the
+steady state before it.
+
+- Join, cold: the replica takes traffic at the decision (model start-up is the same either
+  way and left out), holding nothing.
+- Join, warm: the replica first loads ``warm_start_plan`` over the new replica set (hot
+  adapters whose next copy belongs on it by rendezvous order, at most ``slots - 1`` in slots;
+  the rest of its share into its host tier, up to ``slots``, as the live worker asks), each
+  a disk read of the modelled seconds, one after another; then it takes traffic. The
+  directory's holder counts are what the plan reads, so a router that keeps no view
+  (none of the baselines) warm-starts from the pools themselves.
+- Leave: the newest routable replica stops taking traffic and drains what it was sent
+  (Serve's graceful shutdown). Warm: its slot residents are prefetched into the host tier of
+  the survivor ``rehome_targets`` names for each (a background read; the next load there is
+  a host copy).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from routing.warm_start import AdapterPlacement, rehome_targets, warm_start_plan
+
+from .fleet import SimReplica, Simulator
+
+
+@dataclass(frozen=True)
+class Join:
+    """One replica added: when it was decided, when it took traffic, what it held by then."""
+
+    replica: int
+    decided: float
+    joined: float
+    warm_slots: int
+    warm_host: int
+
+
+def _holders(sim: Simulator) -> dict[str, set[str]]:
+    """Adapter -> replicas holding it in a slot: the directory's view, or the pools without one."""
+    if sim.directory is not None:
+        return {uid: set(rids) for uid, rids in sim.directory.holders.items() if rids}
+    held: dict[str, set[str]] = {}
+    for i in sim.routable:
+        replica = sim.replicas[i]
+        for uid in replica.pool.uid_to_slot:
+            held.setdefault(uid, set()).add(replica.rid)
+    return held
+
+
+def add_replica(sim: Simulator, warm: bool, joins: list[Join]) -> SimReplica:
+    """A new replica; routable now (cold) or once its warm start's reads are done (warm)."""
+    replica = sim.new_replica()
+    slots, host = (), ()
+    seconds = 0.0
+    if warm:
+        held = Counter({uid: len(rids) for uid, rids in _holders(sim).items()})
+        placements = [AdapterPlacement(uid, 0, n) for uid, n in sorted(held.items())]
+        plan = warm_start_plan(replica.rid, sim.ids, placements, sim.config.slots, sim.config.slots)
+        slots, host = plan.slots, plan.host
+        costs = sim.config.costs
+        if slots:
+            replica.pool.prepare_lora_batch(set(slots))
+            replica.pool.release_batch()
+        for uid in (*slots, *host):
+            rank = sim.ranks[uid]
+            replica.host.fetch(uid, costs.adapter_bytes(rank))
+            seconds += costs.load_seconds(rank, from_host=False)
+    joins.append(Join(replica.idx, sim.now, sim.now + seconds, len(slots), len(host)))
+    if seconds > 0:
+        sim.at(sim.now + seconds, lambda: sim.set_routable([*sim.routable, replica.idx]))
+    else:
+        sim.set_routable([*sim.routable, replica.idx])
+    return replica
+
+
+def remove_replica(sim: Simulator, warm: bool) -> SimReplica:
+    """The newest routable replica stops taking traffic; warm: survivors prefetch what it held."""
+    if len(sim.routable) < 2:
+        raise ValueError("cannot remove the last routable replica")
+    gone = sim.replicas[sim.routable[-1]]
+    sim.set_routable(sim.routable[:-1])
+    if warm:
+        costs = sim.config.costs
+        by_rid = {sim.replicas[i].rid: sim.replicas[i] for i in sim.routable}
+        held = _holders(sim)
+        for rid, uids in rehome_targets(list(gone.pool.uid_to_slot), list(by_rid), held).items():
+            for uid in uids:
+                by_rid[rid].host.fetch(uid, costs.adapter_bytes(sim.ranks[uid]))
+    return gone
+
+
+@dataclass(frozen=True)
+class ScaleEvent:
+    """At ``t`` seconds, ``delta`` replicas join (> 0) or leave (< 0)."""
+
+    t: float
+    delta: int
+
+
+def schedule(sim: Simulator, events: list[ScaleEvent], warm: bool) -> list[Join]:
+    """Put ``events`` on the simulator's clock; the returned list fills with joins as they happen."""
+    joins: list[Join] = []
+
+    def action(delta: int) -> Callable[[], None]:
+        def run() -> None:
+            for _ in range(abs(delta)):
+                if delta > 0:
+                    add_replica(sim, warm, joins)
+                else:
+                    remove_replica(sim, warm)
+        return run
+
+    for event in events:
+        if event.delta == 0 or event.t < 0:
+            raise ValueError(f"a scale event needs t >= 0 and a non-zero delta, got {event}")
+        sim.at(event.t, action(event.delta))
+    return joins
