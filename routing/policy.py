@@ -60,6 +60,7 @@ class RoutingConfig:
     host_load_s: float = 0.002        # load-time priors until a replica reports measured ones
     disk_load_s: float = 0.05
     slot_wait_fraction: float = 0.5   # an adapter that cannot join the batch waits ~ this share of T
+    slot_wait_patience: float = 2.0   # request times a request waits in the router for a joinable row
     demand_horizon: float = 4.0       # a victim asked for within this many request times is "in use"
     candidate_width: int = 4          # large fleets: rendezvous-first and least-loaded replicas scored
 
@@ -129,7 +130,7 @@ def choose_replicas(adapter: Optional[str], view: FleetView, loads: Sequence[flo
                     active: Optional[Sequence[Mapping[Optional[str], int]]] = None,
                     demand: Optional[Mapping[str, float]] = None,
                     last_used: Optional[Sequence[Mapping[str, float]]] = None,
-                    batch_slowdown: Optional[float] = None) -> RoutingDecision:
+                    batch_slowdown: Optional[float] = None, waited_s: float = 0.0) -> RoutingDecision:
     """Rank candidates by expected completion time; see the module docstring.
 
     ``loads``: ongoing requests per replica (Serve's queue lengths). ``caps``: each one's
@@ -138,7 +139,10 @@ def choose_replicas(adapter: Optional[str], view: FleetView, loads: Sequence[flo
     count, only counts > 0; ``None`` is the base model). ``demand``: recent requests per second per adapter.
     ``last_used``: when each adapter was last sent to each replica (the victim a load evicts is
     the least recently used, as the pools evict). ``batch_slowdown``: measured (see
-    ``LocalRouterState.batch_slowdown``); None: the config's.
+    ``LocalRouterState.batch_slowdown``); None: the config's. ``waited_s``: how long the request
+    has waited in the router already; past ``slot_wait_patience`` request times it may take a
+    row where it must wait for a slot (the engine then queues it), so no adapter starves while
+    others keep taking the freed rows.
     """
     n = len(view.replica_ids)
     if n == 0:
@@ -190,6 +194,9 @@ def choose_replicas(adapter: Optional[str], view: FleetView, loads: Sequence[flo
     tied.sort(key=tie_key)
     best = tied[0]
     chosen = None
+    t_best = (request_s[best] if request_s is not None else None) or t_default
+    if blocked and waited_s > config.slot_wait_patience * t_best:
+        blocked = set()  # waited long enough: queue in the engine for a slot rather than starve here
     for i in tied:  # a row taken by a request that must wait for a slot is a row the batch loses
         if loads[i] < (caps[i] if caps is not None else cap_default) and i not in blocked:
             chosen = i

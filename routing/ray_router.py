@@ -141,6 +141,7 @@ class AdapterAffinityRouter(RequestRouter):
         self._caps: list[float] = []
         self._capacity: Optional[asyncio.Event] = None
         self._kinds: dict[str, str] = {}  # request id -> decision kind, counted when routed
+        self._first_seen: dict[str, float] = {}  # request id -> when it first asked for a replica
         self._last_call: tuple[Optional[str], float] = (None, 0.0)
         self.metrics = _RouterMetrics()
 
@@ -185,8 +186,11 @@ class AdapterAffinityRouter(RequestRouter):
                 await self._wait_for_capacity()  # Serve could not use the last choice: do not spin
         deadline = time.monotonic() + MAX_WAIT_PER_CALL_S
         kind = None
+        first_seen = self._first_seen.setdefault(request_id, now) if request_id is not None else now
+        if len(self._first_seen) > 10_000:  # requests cancelled before routing leave entries
+            self._first_seen = {request_id: first_seen}
         while True:
-            decision = self._decide(adapter)
+            decision = self._decide(adapter, time.monotonic() - first_seen)
             if not decision.wait or time.monotonic() >= deadline:
                 break
             self.decisions["wait"] += 1
@@ -219,7 +223,7 @@ class AdapterAffinityRouter(RequestRouter):
         self._ids = tuple(sorted(self._by_id))
         self._caps = [float(self._by_id[r].max_ongoing_requests) for r in self._ids]
 
-    def _decide(self, adapter: Optional[str]):
+    def _decide(self, adapter: Optional[str], waited_s: float = 0.0):
         ids, cache, local = self._ids, self.replica_queue_len_cache, self.local
         loads = []
         for rid in ids:
@@ -229,7 +233,8 @@ class AdapterAffinityRouter(RequestRouter):
         return choose_replicas(adapter, self.view.fleet_view(ids, adapter), loads, self.routing_config,
                                caps=self._caps, request_s=local.request_s_by_index(ids),
                                active=local.active_by_index(ids), demand=local.demand,
-                               last_used=local.last_used_by_index(ids), batch_slowdown=local.batch_slowdown())
+                               last_used=local.last_used_by_index(ids), batch_slowdown=local.batch_slowdown(),
+                               waited_s=waited_s)
 
     async def _wait_for_capacity(self, timeout: Optional[float] = None) -> bool:
         """Until a request of ours completes or a replica reports room (True), or ``timeout`` (default
@@ -269,6 +274,7 @@ class AdapterAffinityRouter(RequestRouter):
         if self._routed - self._routed_at_poll >= self.requests_per_poll:
             self._feed_due.set()
         self.view.record_decision(adapter, rid)
+        self._first_seen.pop(request_id, None)
         kind = self._kinds.pop(request_id, None)
         if kind is not None:
             self.decisions[kind] += 1

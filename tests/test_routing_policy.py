@@ -118,6 +118,10 @@ def test_a_request_that_could_not_join_any_batch_waits_instead_of_holding_a_row(
     v = view({"a": {0}}, slots=2, free=[0, 0], residents=[("b", "c"), ("d", "e")], ids=ids)
     decision = choose_replicas("a", v, [3, 2], caps=[8, 8], active=busy, request_s=[0.4, 0.4])
     assert decision.wait and decision.tiers == []
+    patient = choose_replicas("a", v, [3, 2], caps=[8, 8], active=busy, request_s=[0.4, 0.4], waited_s=0.7)
+    assert patient.wait
+    starving = choose_replicas("a", v, [3, 2], caps=[8, 8], active=busy, request_s=[0.4, 0.4], waited_s=0.9)
+    assert starving.tiers == [[0]]  # past 2 request times: the holder's engine queues it for a slot
     freed = [{"b": 2, "c": 1}, {"d": 1}]  # replica 1's "e" finished: a slot the request can take
     assert choose_replicas("a", v, [3, 1], caps=[8, 8], active=freed, request_s=[0.4, 0.4]).tiers == [[1]]
 
