@@ -122,7 +122,7 @@ class AffinityRouter(_ViewRouter):
                                    caps=self.caps, request_s=local.request_s_by_index(ids),
                                    active=local.active_by_index(ids), demand=local.demand,
                                    last_used=local.last_used_by_index(ids),
-                                   batch_slowdown=local.batch_slowdown())
+                                   batch_slowdown=local.batch_slowdown(), waited_s=now - req.arrival)
         if not decision.tiers:
             self._count("wait")
             return None
