@@ -41,6 +41,7 @@ FLUSH_INTERVAL_S = 0.02
 HEARTBEAT_INTERVAL_S = 1.0
 PIN_RETRY_INTERVAL_S = 1.0
 REGISTRY_POLL_TIMEOUT_S = 5.0
+FIRST_REPORT_TIMEOUT_S = 10.0  # a directory still starting must not hold the replica's start up
 
 
 def _torch_threads() -> int:
@@ -117,7 +118,8 @@ class LoRAWorker:
         self.warm_start = {"plan": plan, "seconds": round(time.monotonic() - started, 3),
                            "loads_at_ready": snap.counters.loads, "resident": sorted(snap.resident)}
         try:
-            await self.directory.report.remote(self.replica_id, [], self._heartbeat(), snap.to_dict())
+            await asyncio.wait_for(self.directory.report.remote(self.replica_id, [], self._heartbeat(), snap.to_dict()),
+                                   FIRST_REPORT_TIMEOUT_S)
         except Exception as exc:  # the report loop keeps trying and resyncs
             log.warning("lorafleet worker %s: first report failed (%r)", self.replica_id, exc)
             self.events.request_resync()
