@@ -146,7 +146,7 @@ class Simulator:
         self._seq = 0
         self.retries = 0
         self.waiting: deque[SimRequest] = deque()  # requests waiting for capacity (routers that wait)
-        self.routing_tasks = config.routing_tasks_per_replica * config.replicas
+        self.routing_tasks = max(config.routing_tasks_per_replica * config.replicas, config.routing_tasks_min)
 
     # ------------------------------------------------------------------ plumbing
 
@@ -189,7 +189,7 @@ class Simulator:
         self.routable = order
         self.ids = tuple(self.replicas[i].rid for i in order)
         self.ongoing = np.array([self.replicas[i].ongoing for i in order], dtype=np.float64)
-        self.routing_tasks = self.config.routing_tasks_per_replica * len(order)
+        self.routing_tasks = max(self.config.routing_tasks_per_replica * len(order), self.config.routing_tasks_min)
         self.router.replicas_changed()
 
     # ------------------------------------------------------------------ replica
@@ -275,11 +275,10 @@ class Simulator:
             return
         req.attempt += 1
         self.retries += 1
-        if self.router.waits_for_capacity:
+        if self.router.waits_for_capacity:  # one router: woken by completions, as live (no polling)
             if not req.waiting:
                 req.waiting = True
                 self.waiting.append(req)
-            self._push(self.now + cfg.capacity_poll_s, _RETRY, req)
         else:
             delay = min(cfg.backoff_initial_s * (2 ** (req.attempt - 1)), cfg.backoff_max_s)
             self._push(self.now + delay, _RETRY, req)
