@@ -165,6 +165,8 @@ class AdapterAffinityRouter(RequestRouter):
             self.initialize_state()
         self._ensure_polling()
         if not candidate_replicas:
+            if pending_request is not None:
+                pending_request.routing_context.should_backoff = True  # Serve's backoff, never a spin
             return []
         if candidate_replicas is not self._candidates_of:
             self._set_candidates(candidate_replicas)
@@ -177,7 +179,11 @@ class AdapterAffinityRouter(RequestRouter):
         request = pending_request.args[0] if pending_request is not None and pending_request.args else None
         target = getattr(request, "target_replica", None)
         if target is not None:
-            return [[self._by_id[target]]] if target in self._by_id else []
+            if target in self._by_id:
+                return [[self._by_id[target]]]
+            if pending_request is not None:  # a replica Serve does not run yet: let Serve back off, never spin
+                pending_request.routing_context.should_backoff = True
+            return []
         adapter = request_adapter(pending_request)
         request_id = pending_request.metadata.internal_request_id if pending_request is not None else None
         if pending_request is not None:
