@@ -46,6 +46,7 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 from .policy import RoutingConfig, choose_replicas
 from .router_state import LocalRouterState
 from .view import RouterView
+from .waiters import OldestFirstWaiters
 
 log = logging.getLogger("ray.serve")
 STATS_APPLY_INTERVAL_S = 0.1
@@ -139,7 +140,7 @@ class AdapterAffinityRouter(RequestRouter):
         self._ids: tuple[str, ...] = ()
         self._by_id: dict[str, RunningReplica] = {}
         self._caps: list[float] = []
-        self._capacity: Optional[asyncio.Event] = None
+        self._waiters = OldestFirstWaiters()
         self._kinds: dict[str, str] = {}  # request id -> decision kind, counted when routed
         self._first_seen: dict[str, float] = {}  # request id -> when it first asked for a replica
         self._last_call: tuple[Optional[str], float] = (None, 0.0)
@@ -186,15 +187,15 @@ class AdapterAffinityRouter(RequestRouter):
             return []
         adapter = request_adapter(pending_request)
         request_id = pending_request.metadata.internal_request_id if pending_request is not None else None
-        if pending_request is not None:
-            pending_request.routing_context.should_backoff = False  # we wait for capacity ourselves
-            if self._last_call[0] == request_id and now - self._last_call[1] < REPEAT_WINDOW_S:
-                await self._wait_for_capacity()  # Serve could not use the last choice: do not spin
-        deadline = time.monotonic() + MAX_WAIT_PER_CALL_S
-        kind = None
         first_seen = self._first_seen.setdefault(request_id, now) if request_id is not None else now
         if len(self._first_seen) > 10_000:  # requests cancelled before routing leave entries
             self._first_seen = {request_id: first_seen}
+        if pending_request is not None:
+            pending_request.routing_context.should_backoff = False  # we wait for capacity ourselves
+            if self._last_call[0] == request_id and now - self._last_call[1] < REPEAT_WINDOW_S:
+                await self._wait_for_capacity(first_seen)  # Serve could not use the last choice: do not spin
+        deadline = time.monotonic() + MAX_WAIT_PER_CALL_S
+        kind = None
         while True:
             decision = self._decide(adapter, time.monotonic() - first_seen)
             if not decision.wait or time.monotonic() >= deadline:
@@ -202,9 +203,11 @@ class AdapterAffinityRouter(RequestRouter):
             self.decisions["wait"] += 1
             self.metrics.decision("wait")
             others = self._others_fill(decision.best)
-            # only other routers' completions go unseen: with none in the way, wait for ours (no polling)
-            timeout = self.capacity_poll_s if others else deadline - time.monotonic()
-            if not await self._wait_for_capacity(timeout) and others:
+            # only other routers' completions go unseen: with none in the way, wait for ours (no polling);
+            # with them, the oldest waiting request polls for all (the room its probe finds wakes the rest)
+            poll = others and self._waiters.first_in_line(first_seen)
+            timeout = self.capacity_poll_s if poll else deadline - time.monotonic()
+            if not await self._wait_for_capacity(first_seen, timeout) and poll:
                 # nothing of ours finished, but other routers' requests fill the best replica and
                 # their completions are invisible here: offer it, so Serve asks it for its queue length
                 # (offering every replica made Serve probe each in turn: slower, measured)
@@ -242,17 +245,11 @@ class AdapterAffinityRouter(RequestRouter):
                                last_used=local.last_used_by_index(ids), batch_slowdown=local.batch_slowdown(),
                                waited_s=waited_s)
 
-    async def _wait_for_capacity(self, timeout: Optional[float] = None) -> bool:
+    async def _wait_for_capacity(self, since: float, timeout: Optional[float] = None) -> bool:
         """Until a request of ours completes or a replica reports room (True), or ``timeout`` (default
-        ``capacity_poll_s``) passes (False: other routers' requests may have completed unseen)."""
-        if self._capacity is None:
-            self._capacity = asyncio.Event()
-        event = self._capacity
-        try:
-            await asyncio.wait_for(event.wait(), self.capacity_poll_s if timeout is None else max(0.0, timeout))
-            return True
-        except asyncio.TimeoutError:
-            return False
+        ``capacity_poll_s``) passes (False: other routers' requests may have completed unseen).
+        Woken requests decide again oldest first (``since``: when the request first asked)."""
+        return await self._waiters.wait(since, self.capacity_poll_s if timeout is None else timeout)
 
     def _others_fill(self, index: Optional[int]) -> bool:
         """Whether replica ``index`` looks full partly because of requests this router did not send."""
@@ -263,9 +260,7 @@ class AdapterAffinityRouter(RequestRouter):
         return cached is None or cached > self.local.inflight.get(rid, 0)
 
     def _capacity_freed(self) -> None:
-        if self._capacity is not None:
-            self._capacity.set()
-            self._capacity = None  # waiters hold the set event; later ones get a fresh one
+        self._waiters.wake_all()
 
     def on_send_request(self, replica_id) -> None:
         super().on_send_request(replica_id)
