@@ -35,8 +35,9 @@ worker and trace), ``live_multi_router_loads_ratio`` <= 1.2 (3 routers / 1).
 
     python -m benchmarks.routing_live [--quick] [--json PATH] [--plot PATH]
 
-``--quick``: skew only, concurrency 1 and 64, 60 requests per row at concurrency 1 and
-3 per client slot above (about two minutes on a quiet machine). The benchmark starts
+``--quick``: skew only, concurrency 1 and 64, 200 requests per row at concurrency 1 (60 left
+run-to-run swings of 10-30% at concurrency 1) and 3 per client slot above (about five minutes
+on a quiet machine). The benchmark starts
 its own local Ray cluster with Serve's HTTP proxy disabled.
 """
 
@@ -90,7 +91,7 @@ def build_requests(setting: Setting, n: int, seed: int) -> list[tuple[str, str, 
 
 def requests_per_row(concurrency: int, args) -> int:
     """Enough requests that every closed-loop client sends several."""
-    return max(args.requests or (60 if args.quick else 600), 3 * concurrency)
+    return max(args.requests or (200 if args.quick else 600), 3 * concurrency)
 
 
 # ---------------------------------------------------------------------------- variants
@@ -392,7 +393,7 @@ def make_parser():
                         help="the router's tie tolerance app arg (default 0.25, the product default)")
     parser.add_argument("--alpha", type=float, default=0.3, help="S-LoRA power-law alpha (default 0.3)")
     parser.add_argument("--requests", type=int,
-                        help="requests per row (default 600; quick 60), at least 3 per client at high concurrency")
+                        help="requests per row (default 600; quick 200), at least 3 per client at high concurrency")
     parser.add_argument("--verbose", action="store_true", help="keep Ray Serve's driver-side log lines")
     parser.add_argument("--concurrency", type=int, nargs="+", help="concurrency levels (default 1 8 64; quick 1 64)")
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))

@@ -107,9 +107,9 @@ def check_router_kwargs(kwargs: dict) -> None:
 class AdapterAffinityRouter(RequestRouter):
     def initialize_state(self, load_bound_epsilon: float = 0.25, optimistic_ttl_s: float = 3.0,
                          directory_deployment: str = "AdapterDirectory", poll_timeout_s: float = 5.0,
-                         min_poll_interval_s: float = 0.1, host_load_s: float = 0.002, disk_load_s: float = 0.05,
+                         min_poll_interval_s: float = 0.2, host_load_s: float = 0.002, disk_load_s: float = 0.05,
                          default_request_s: float = 0.5, capacity_poll_s: float = 0.05,
-                         metrics_export_interval_s: float = 5.0, requests_per_poll: int = 8,
+                         metrics_export_interval_s: float = 5.0, requests_per_poll: int = 16,
                          max_routing_tasks: int = 64) -> None:
         """``load_bound_epsilon``: replicas whose expected completion times are within this many
         queued requests' wait of the best are a tie, broken by rendezvous order (larger: more
