@@ -191,6 +191,8 @@ class Simulator:
         self.ongoing = np.array([self.replicas[i].ongoing for i in order], dtype=np.float64)
         self.routing_tasks = max(self.config.routing_tasks_per_replica * len(order), self.config.routing_tasks_min)
         self.router.replicas_changed()
+        if self.waiting:  # a replica joined or left: requests waiting for capacity decide again
+            self._retry_waiting()
 
     # ------------------------------------------------------------------ replica
 

@@ -42,9 +42,12 @@ class Join:
 
 
 def _holders(sim: Simulator) -> dict[str, set[str]]:
-    """Adapter -> replicas holding it in a slot: the directory's view, or the pools without one."""
+    """Adapter -> routable replicas holding it in a slot: the directory's view (a departed replica's
+    reports are left out, as the live directory forgets it), or the pools without one."""
     if sim.directory is not None:
-        return {uid: set(rids) for uid, rids in sim.directory.holders.items() if rids}
+        live = set(sim.ids)
+        held = {uid: set(rids) & live for uid, rids in sim.directory.holders.items()}
+        return {uid: rids for uid, rids in held.items() if rids}
     held: dict[str, set[str]] = {}
     for i in sim.routable:
         replica = sim.replicas[i]
