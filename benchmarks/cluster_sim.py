@@ -14,6 +14,12 @@ vs disk, by rank), prefill and decode per token, ``max_batch`` running requests 
 plain consistent hashing, random. Workloads from ``benchmarks.traces``: S-LoRA power-law
 popularity, gamma arrivals, ranks 8-64. Metrics over the requests after a warm-up.
 
+Every router's loads are also reported against a fleet lower bound (``sim.fleet_bound``: Belady's
+MIN over one cache with all the fleet's slots), and the elastic fleet is simulated
+(``sim.elastic_runs``): replicas joining and leaving mid-trace, cold or warm-started as
+``routing.warm_start`` plans it, and a bursty diurnal day autoscaled by ``routing.autoscale``'s
+adapter-aware and queue-only rules (``--skip-elastic`` leaves these out).
+
 With ``--live-json`` (a ``routing_live --json`` run) it also simulates that run's cells
 with ``benchmarks.sim.cpu_fleet`` (the live setup: closed-loop clients, engines and the
 control plane sharing the machine's cores, each router's measured CPU per request
@@ -21,6 +27,7 @@ charged) and checks that the simulation ranks the variants as the live run did
 (``sim_reproduces_live_ranking``): only then should it be used to tune anything.
 
     python -m benchmarks.cluster_sim [--quick] [--json PATH] [--plot PATH] [--workers N] [--live-json PATH]
+                                     [--skip-elastic]
 """
 
 from __future__ import annotations

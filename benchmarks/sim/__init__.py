@@ -8,7 +8,10 @@ The simulated replicas run the project's own code: ``pool.memory_pool.LoRAMemory
 are modelled in ``costs``; the baseline routers in ``routers`` are small implementations
 of other systems' logic, for comparison. ``cpu_fleet`` is ``routing_live``'s own setup
 (closed-loop clients, engines and control plane on shared cores) and ``live_check``
-compares it with a live run.
+compares it with a live run. ``fleet_bound`` is the lower bound on loads no router can beat;
+``scale_events`` adds and removes replicas mid-run (cold or warm-started), ``autoscale`` drives
+the replica count with ``routing.autoscale``'s rules; ``scale_scenario``, ``autoscale_scenario``
+and ``elastic_runs`` are cluster_sim's experiments on them.
 """
 
 from .costs import CostModel
