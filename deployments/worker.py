@@ -65,7 +65,7 @@ def _check_own_router_kwargs(context) -> None:
     max_ongoing_requests=8,
     request_router_config=RequestRouterConfig(
         request_router_class="routing.ray_router:AdapterAffinityRouter",
-        request_routing_stats_period_s=1.0,
+        request_routing_stats_period_s=5.0,  # as build_fleet: a repair path beside the directory feed
     ),
     health_check_period_s=5.0,
 )
