@@ -161,7 +161,6 @@ def choose_replicas(adapter: Optional[str], view: FleetView, loads: Sequence[flo
     blocked: set[int] = set()  # replicas whose running batch the adapter cannot join now
     cost_class: dict[int, int] = {}  # 0 resident, 1 load into a free slot, 2 load that evicts
     best, best_e, best_tol = 0, float("inf"), 0.0
-    deferred: list[tuple[int, float]] = []  # evicting candidates already outside the tie: victim priced later
     for i in candidates:
         cap = caps[i] if caps is not None else cap_default
         t = (request_s[i] if request_s is not None else None) or t_default
@@ -178,17 +177,12 @@ def choose_replicas(adapter: Optional[str], view: FleetView, loads: Sequence[flo
                 cost_class[i] = 1
             else:
                 cost_class[i] = 2
-                if e > best_e + best_tol:  # the eviction only adds: price it only if the tie reaches it
-                    deferred.append((i, t))
-                else:
-                    e += _eviction_s(view, i, t, active, demand, last_used, config)
+                rate = _victim_demand(view, i, active, demand, last_used)
+                e += min(1.0, rate * config.demand_horizon * t) * _load_s(view, i, True, config)
         ect[i] = e
         if e < best_e:  # the tie: a fraction of a row's wait, and at least one co-running request's cost
             best, best_e, best_tol = i, e, max(config.tie_epsilon * t / cap, slowdown * t)
     limit = best_e + best_tol
-    for i, t in deferred:  # exact: a deferred candidate was never below the best, so only the tie can change
-        if ect[i] <= limit:
-            ect[i] += _eviction_s(view, i, t, active, demand, last_used, config)
     # within the tie, the cheapest kind of placement, then the adapter's rendezvous order (base: least
     # loaded, then index), so routers whose estimates differ slightly still agree; beyond it, by ECT
     if adapter is None:
@@ -239,15 +233,6 @@ def _load_s(view: FleetView, i: int, warm: bool, config: RoutingConfig) -> float
     return measured if measured is not None else config.disk_load_s
 
 
-def _eviction_s(view: FleetView, i: int, t: float, active: Optional[Sequence[Mapping]],
-                demand: Optional[Mapping[str, float]], last_used: Optional[Sequence[Mapping]],
-                config: RoutingConfig) -> float:
-    """Expected reload seconds a load on ``i`` causes: the victim's chance of being asked for again
-    within ``demand_horizon`` request times, times its reload."""
-    rate = _victim_demand(view, i, active, demand, last_used)
-    return min(1.0, rate * config.demand_horizon * t) * _load_s(view, i, True, config)
-
-
 def _victim_demand(view: FleetView, i: int, active: Optional[Sequence[Mapping]],
                    demand: Optional[Mapping[str, float]], last_used: Optional[Sequence[Mapping]]) -> float:
     """Recent requests per second of the adapter a load on ``i`` would evict: the least recently
@@ -275,19 +260,8 @@ def _candidates(adapter: Optional[str], view: FleetView, loads: list, holders: C
     least = np.argpartition(arr, k)[:k] if k < len(arr) else np.arange(len(arr))
     chosen = {int(i) for i in least}
     if adapter is not None:
-        order = view.order(adapter, k)
-        chosen.update(order)
-        for group in (holders, view.warm.get(adapter, ())):
-            chosen.update(_least_loaded_of(group, arr, order, k))
+        chosen.update(holders)
+        chosen.update(view.warm.get(adapter, ()))
+        chosen.update(view.order(adapter, k))
     return sorted(chosen)
-
-
-def _least_loaded_of(group: Collection[int], loads: np.ndarray, order: Sequence[int], k: int) -> Collection[int]:
-    """A hot adapter's holders can be hundreds of replicas: score the ``2k`` least loaded of them
-    (and any in its rendezvous order, already chosen), not every one; a small group whole."""
-    if len(group) <= 2 * k:
-        return group
-    idx = np.fromiter(group, dtype=np.int64, count=len(group))
-    best = idx[np.argpartition(loads[idx], 2 * k)[:2 * k]]
-    return best.tolist()
 
