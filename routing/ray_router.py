@@ -12,11 +12,13 @@ machine shares cores with the engines:
 
 - one replica per decision, from Serve's own queue-length cache: Serve never probes a
   replica we offer (a probe is an RPC that costs the caller and the replica);
-- when the best replica is full, the request waits for capacity (woken by a completion
-  of this router's requests) instead of Serve's backoff loop, which sleeps while rows are
-  free and probes full replicas on every attempt; only when other routers' requests fill
-  the replica (completions this router cannot see) is it offered after ``capacity_poll_s``
-  so Serve asks it for its queue length;
+- every waiting request is in ``choose_replicas`` at once (``max_num_routing_tasks``), so a
+  freed row goes to one that can use it; when the best replica is full, or the adapter
+  could only wait for a slot there, the request waits for capacity (woken, oldest first, by
+  a completion of this router's requests) instead of Serve's backoff loop, which sleeps
+  while rows are free and probes full replicas on every attempt; only when other routers'
+  requests fill the replica (completions this router cannot see) does the oldest waiting
+  request offer it after ``capacity_poll_s`` so Serve asks it for its queue length;
 - metrics are counted locally and exported every ``metrics_export_interval_s`` from the
   feed thread, not one ``ray.util.metrics`` call per decision;
 - the directory feed is paced by traffic (one poll per ``requests_per_poll`` routed
@@ -46,7 +48,7 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 from .policy import RoutingConfig, choose_replicas
 from .router_state import LocalRouterState
 from .view import RouterView
-from .waiters import OldestFirstWaiters
+from .waiters import DEFAULT_MAX_ROUTING_TASKS, OldestFirstWaiters
 
 log = logging.getLogger("ray.serve")
 STATS_APPLY_INTERVAL_S = 0.1
@@ -110,7 +112,7 @@ class AdapterAffinityRouter(RequestRouter):
                          min_poll_interval_s: float = 0.2, host_load_s: float = 0.002, disk_load_s: float = 0.05,
                          default_request_s: float = 0.5, capacity_poll_s: float = 0.05,
                          metrics_export_interval_s: float = 5.0, requests_per_poll: int = 16,
-                         max_routing_tasks: int = 64) -> None:
+                         max_routing_tasks: int = DEFAULT_MAX_ROUTING_TASKS) -> None:
         """``load_bound_epsilon``: replicas whose expected completion times are within this many
         queued requests' wait of the best are a tie, broken by rendezvous order (larger: more
         affinity and agreement between routers; smaller: tighter balance). ``host_load_s`` /

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from routing.waiters import DEFAULT_MAX_ROUTING_TASKS
+
 from .costs import CostModel
 
 
@@ -18,9 +20,8 @@ class SimConfig:
     eviction_policy: str = "lru"
     lag_s: float = 0.1              # pool event -> router view
     load_bound_epsilon: float = 0.25
-    capacity_poll_s: float = 0.05   # affinity: a waiting request re-decides this often without a completion
     routing_tasks_per_replica: int = 2  # Serve routes at most this many waiting requests per replica at once
-    routing_tasks_min: int = 64  # ... and the affinity router asks for at least this many (max_routing_tasks)
+    routing_tasks_min: int = DEFAULT_MAX_ROUTING_TASKS  # ... and the affinity router asks for at least this many
     optimistic_ttl_s: float = 3.0   # the router's default
     multiplex_timeout_s: float = 1.0  # Serve's RAY_SERVE_MULTIPLEXED_MODEL_ID_MATCHING_TIMEOUT_S (x U(1, 2))
     backoff_initial_s: float = 0.025

@@ -40,6 +40,8 @@ from pool.adapter import AdapterConfig, LoRAAdapterWeights
 from pool.memory_pool import LoRAMemoryPool, batch_order
 from pool.shapes import LoRAModelShape
 
+from routing.waiters import DEFAULT_MAX_ROUTING_TASKS
+
 from .config import SimConfig, SimRequest
 from .costs import CostModel
 from .feed import DirectoryFeed
@@ -144,7 +146,10 @@ class CpuFleet:
         self._seq = 0
         self.pending: deque[SimRequest] = deque()   # arrived, not yet being routed
         self.active: list[SimRequest] = []          # being routed (Serve's routing tasks), oldest first
+        # Serve routes 2 x replicas waiting requests at once; the affinity router asks for more
         self.routing_tasks = 2 * cfg.replicas
+        if self.router.waits_for_capacity:
+            self.routing_tasks = max(self.routing_tasks, DEFAULT_MAX_ROUTING_TASKS)
         self.cpu_log: deque[tuple[float, float]] = deque()  # (time, control-plane CPU seconds spent)
         self.share_sum = self.share_n = 0.0
         self.loads = 0
@@ -204,11 +209,10 @@ class CpuFleet:
             self._pump()
             return
         req.attempt += 1
-        if self.router.waits_for_capacity:  # woken by a completion, or polls
-            self._push(self.now + self.config.capacity_poll_s, _RETRY, req)
-        else:  # Serve's backoff: 25 ms doubling to 0.5 s
+        if not self.router.waits_for_capacity:  # Serve's backoff: 25 ms doubling to 0.5 s
             delay = min(self.config.backoff_initial_s * 2 ** (req.attempt - 1), self.config.backoff_max_s)
             self._push(self.now + delay, _RETRY, req)
+        # the affinity router (one here) waits: woken by a completion (``_finish``), as live; no polling
 
     def _dispatch(self, req: SimRequest, idx: int) -> None:
         req.replica = idx

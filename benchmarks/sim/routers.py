@@ -5,7 +5,7 @@
 ``routing.router_state.LocalRouterState`` the Serve router keeps (requests in flight and
 their adapters, request times, demand) and ``routing.policy.choose_replicas``. A request
 whose best replica is full waits for capacity, as in ``routing.ray_router``: it decides
-again when a request completes (or every ``capacity_poll_s``).
+again, oldest first, when a request completes (one router: no polling).
 
 The baselines are small implementations of other routers' logic (the comparison, not the
 product):
