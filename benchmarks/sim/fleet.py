@@ -137,7 +137,7 @@ class Simulator:
         self.directory: Optional[AdapterDirectory] = None
         self._listener = None
         if self.router.uses_view:
-            self.feed = DirectoryFeed(lambda: self.now, config.lag_s)
+            self.feed = DirectoryFeed(lambda: self.now, config.lag_s, config.max_batch)
             self.directory = self.feed.directory
             self._listener = self.feed.on_pool_event
         self.replicas = [SimReplica(i, rid, config, self._fetch, self._listener) for i, rid in enumerate(self.ids)]
@@ -255,6 +255,8 @@ class Simulator:
         else:
             replica.pool.release_batch()
         self.done += 1
+        if self.feed is not None:
+            self.feed.record_busy(replica.rid, req.uid, self.now - req.t_dispatch)
         self.router.finished(req)
         self._admit(replica)
         if self.waiting:
