@@ -227,7 +227,8 @@ class AdapterDirectoryActor:
         placements = [AdapterPlacement(name, e.replicas if e.pinned else 0,
                                        len(self.directory.holders.get(e.uid, ())))
                       for name, e in self.registry.items()]
-        plan = warm_start_plan(replica_id, list(self.directory.replicas), placements, slots, host_limit)
+        planned = self.directory.planned_for(replica_id, slots) if self.directory.plan.holders else None
+        plan = warm_start_plan(replica_id, list(self.directory.replicas), placements, slots, host_limit, planned)
         if plan.skipped_pins:
             log.warning("lorafleet directory: %s would pin %s beyond its %d slots - 1; not pinned there",
                         replica_id, list(plan.skipped_pins), slots)

@@ -19,6 +19,7 @@ every idle adapter before it).
 
 from __future__ import annotations
 
+import copy
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
@@ -194,6 +195,17 @@ class AdapterDirectory:
     @property
     def plan(self) -> PlacementPlan:
         return self.planner.plan
+
+    def planned_for(self, replica_id: str, slots: int, rows: int = 0) -> list[str]:
+        """What the plan would place on ``replica_id`` if it joined now, neediest first (warm start):
+        a trial re-plan on a copy of the planner, so the real plan and its timers do not move."""
+        trial = copy.deepcopy(self.planner)
+        replicas = [s.slots_for_plan() for r, s in self.replicas.items() if r != replica_id]
+        replicas.append(ReplicaSlots(replica_id, slots, rows))
+        demand = {name: self.demand.get(name) for name in self.demand.names()}
+        plan = trial.update(self._clock(), demand, replicas)
+        mine = [name for name, holders in plan.holders.items() if replica_id in holders]
+        return sorted(mine, key=lambda name: (-demand.get(name, 0.0), name))
 
     def forget_replica(self, replica_id: str) -> bool:
         state = self.replicas.pop(replica_id, None)

@@ -14,8 +14,12 @@ directory (one writer, read by every router) keeps a plan, and routers route wit
   neediest first, each on the least loaded replicas with a slot left in their budget, where
   a replica that is already a planned holder costs nothing extra, one that has the adapter
   resident or in its host tier a little, and any other ``move_margin`` replicas of load.
-  A planned holder stays planned while the count holds (a demand shift alone never moves a
-  placement: each move is a load and an eviction somewhere). Budget per replica: its slots, minus one
+  Planned holders keep their slots first (a newcomer never takes a placement's budget), and a
+  holder stays planned while the count holds unless its replica has been overloaded (more than
+  ``overload_share`` above the fleet's mean load and ``overload_floor`` replicas of load) for
+  ``overload_after_s`` (at once when a replica has just joined): a demand blip moves nothing,
+  since each move is a load and an eviction somewhere, but a replica that joins (or a lasting
+  imbalance) takes placements from the most loaded. Budget per replica: its slots, minus one
   when the planned copies do not all fit (that slot serves what the plan could not place:
   without it every such request would evict a planned adapter, which then reloads). An
   adapter that finds no budget is still planned, on the least loaded replica (it will load
@@ -38,8 +42,12 @@ class PlanConfig:
     target_utilization: float = 0.75  # a planned holder is meant to spend this share of its rows on the adapter
     grow_after_s: float = 5.0         # a wanted extra holder must be wanted this long before it is added
     shrink_after_s: float = 30.0      # a holder no longer needed goes after this cool-down
-    forget_below: float = 0.005       # adapters needing less than this share of a replica are not planned
+    forget_below: float = 0.0005      # adapters needing less than this share of a replica ...
+    forget_after_s: float = 120.0     # ... for this long leave the plan (a tail adapter keeps its place)
     move_margin: float = 0.25         # replicas of load a placement must gain before it moves
+    overload_share: float = 0.5       # a holder more loaded than the mean by this share (and by
+    overload_floor: float = 0.1       # ... this many replicas of load) for overload_after_s
+    overload_after_s: float = 30.0    # ... hands placements to the least loaded
 
 
 @dataclass(frozen=True)
@@ -77,6 +85,8 @@ class FleetPlanner:
         self._count: dict[str, int] = {}       # adapter -> planned holder count
         self._since: dict[str, float] = {}     # adapter -> since when its wanted count differs from _count
         self._low_since: dict[str, float] = {}  # adapter -> since when its need is below forget_below
+        self._over_since: dict[str, float] = {}  # replica -> since when its planned load is above the bound
+        self._replica_ids: set[str] = set()
 
     def update(self, now: float, demand: Mapping[str, float], replicas: Sequence[ReplicaSlots]) -> PlacementPlan:
         """A new plan (a new version only when some adapter's holders changed).
@@ -93,7 +103,10 @@ class FleetPlanner:
             for name in r.pinned:
                 pinned_on.setdefault(name, []).append(i)
         counts = self._counts(now, need, len(replicas), pinned_on)
-        holders = self._assign(counts, need, replicas, pinned_on)
+        ids = {r.replica_id for r in replicas}
+        joined = bool(self._replica_ids) and not ids <= self._replica_ids  # a replica joined: rebalance now
+        self._replica_ids = ids
+        holders = self._assign(now, counts, need, replicas, pinned_on, joined)
         if holders != dict(self.plan.holders):
             self.plan = PlacementPlan(self.plan.version + 1, holders)
         return self.plan
@@ -106,7 +119,7 @@ class FleetPlanner:
         for name in list(self._count):
             if need.get(name, 0.0) >= cfg.forget_below or name in pinned_on:
                 self._low_since.pop(name, None)
-            elif now - self._low_since.setdefault(name, now) >= cfg.shrink_after_s:
+            elif now - self._low_since.setdefault(name, now) >= cfg.forget_after_s:
                 del self._count[name]  # out of demand for a cool-down: leaves the plan
                 self._since.pop(name, None)
                 self._low_since.pop(name, None)
@@ -130,8 +143,9 @@ class FleetPlanner:
 
     # ------------------------------------------------------------------ which holders
 
-    def _assign(self, counts: Mapping[str, int], need: Mapping[str, float], replicas: Sequence[ReplicaSlots],
-                pinned_on: Mapping[str, list[int]]) -> dict[str, tuple[str, ...]]:
+    def _assign(self, now: float, counts: Mapping[str, int], need: Mapping[str, float],
+                replicas: Sequence[ReplicaSlots], pinned_on: Mapping[str, list[int]],
+                joined: bool = False) -> dict[str, tuple[str, ...]]:
         cfg = self.config
         n = len(replicas)
         index = {r.replica_id: i for i, r in enumerate(replicas)}
@@ -156,38 +170,50 @@ class FleetPlanner:
         heapq.heapify(heap)
         heapq.heapify(anywhere)
         no_limit = [1] * n
+        mean = sum(need.get(a, 0.0) for a in counts) / n
+        overloaded = mean + max(cfg.overload_share * mean, cfg.overload_floor)
+        shedding = {i for i, r in enumerate(replicas)
+                    if joined or now - self._over_since.get(r.replica_id, now) >= cfg.overload_after_s}
         order = sorted((a for a in counts if a not in pinned_on or counts[a] > len(pinned_on[a])),
                        key=lambda a: (-need.get(a, 0.0), a))
-        for name in order:
-            k = counts[name]
-            share = need.get(name, 0.0) / k
-            picked = chosen.setdefault(name, [])
-            prev = previous.get(name, set())
-            cost = lambda i: (load[i] + _move_cost(name, i, prev, replicas, cfg.move_margin),  # noqa: E731
-                              replicas[i].replica_id)
+        share = {a: need.get(a, 0.0) / counts[a] for a in order}
 
-            def _take(i: int) -> None:
-                picked.append(i)
+        def take(name: str, i: int, budgeted: bool = True) -> None:
+            chosen.setdefault(name, []).append(i)
+            load[i] += share[name]
+            heapq.heappush(anywhere, (load[i], i))
+            if budgeted:
                 budget[i] -= 1
-                load[i] += share
                 heapq.heappush(heap, (load[i], i))
 
-            for i in sorted(prev, key=cost):  # planned holders stay: only a count change moves a placement
-                if len(picked) < k and budget[i] > 0 and i not in picked:
-                    _take(i)
+        # first every planned holder keeps its slot (so no placement loses its budget to a newcomer),
+        # except on a replica that has been overloaded for overload_after_s: it keeps what fits
+        for name in order:
+            picked = chosen.setdefault(name, [])
+            for i in sorted(previous.get(name, ()), key=lambda i: replicas[i].replica_id):
+                if len(picked) < counts[name] and budget[i] > 0 and i not in picked and (
+                        i not in shedding or load[i] + share[name] <= overloaded):
+                    take(name, i)
+        # then the holders still missing, the cheapest first
+        for name in order:
+            k, picked, prev = counts[name], chosen[name], previous.get(name, set())
+            cost = lambda i: (load[i] + _move_cost(name, i, prev, replicas, cfg.move_margin),  # noqa: E731
+                              replicas[i].replica_id)
             while len(picked) < k:
                 cands = {i for i in known.get(name, set()) if budget[i] > 0}
                 cands.update(_least_loaded(heap, load, budget, k + 2))
                 cands.difference_update(picked)
                 if not cands:
                     break
-                _take(min(cands, key=cost))
-            if not picked:  # no budget anywhere: the least loaded replica loads it on demand
-                best = min(prev | set(_least_loaded(anywhere, load, no_limit, 2)), key=cost)
-                picked.append(best)
-                load[best] += share
-            for i in picked:
-                heapq.heappush(anywhere, (load[i], i))
+                take(name, min(cands, key=cost))
+            if not picked:  # no budget anywhere: loaded on demand where it was planned, else the least loaded
+                kept = [i for i in prev if i not in shedding]
+                take(name, min(kept or _least_loaded(anywhere, load, no_limit, 2), key=cost), budgeted=False)
+        for i, r in enumerate(replicas):
+            if load[i] > overloaded:
+                self._over_since.setdefault(r.replica_id, now)
+            else:
+                self._over_since.pop(r.replica_id, None)
         return {name: tuple(sorted(replicas[i].replica_id for i in picked)) for name, picked in sorted(chosen.items())
                 if picked}
 

@@ -19,7 +19,7 @@ rendezvous order, so routers that see the same state choose alike. Work-conservi
 the set: the best planned replica that can start the request now takes it.
 
 Leaving the plan (a spill) happens only when every planned replica is full and the wait for a
-planned row exceeds the whole cost of a load elsewhere by ``spill_margin`` request times:
+planned row exceeds the whole cost of a load elsewhere by ``spill_margin`` rows' waits (T / cap):
 the load's own time, the running batch it stalls there (load time x requests running), and
 the victim's reloads (which stall that batch again and evict in turn). A spill target must
 have a row that its own planned adapters' waiting requests will not take, so at saturation
@@ -27,8 +27,8 @@ nothing spills. Spills are served requests like any other: the demand they add i
 the plan grow the adapter's holder count, after its hysteresis, not the request.
 
 A request whose planned replicas are full waits in the router (``wait``); after
-``max_router_wait`` request times it queues at its best planned replica instead (bounded
-waits), and after ``slot_wait_patience`` it may take a row where it must wait for a slot.
+``max_router_wait`` rows' waits any free row will do, the cheapest first (bounded waits), and
+after ``slot_wait_patience`` request times it may take a row where it must wait for a slot.
 
 Pure function over plain data; no Ray, no I/O. ``FleetView`` is the per-replica state a
 router holds (``routing.view.RouterView`` builds it).
@@ -58,8 +58,8 @@ class RoutingConfig:
     slot_wait_patience: float = 2.0   # request times a request waits in the router for a joinable row
     demand_horizon: float = 4.0       # a victim asked for within this many request times is "in use"
     candidate_width: int = 4          # large fleets: rendezvous-first and least-loaded replicas scored
-    spill_margin: float = 1.0         # request times a planned row's wait must exceed a load elsewhere by
-    max_router_wait: float = 4.0      # request times a request waits in the router at most, then queues
+    spill_margin: float = 2.0         # rows' waits (T / cap) a planned row's wait must exceed a load elsewhere by
+    max_router_wait: float = 8.0      # rows' waits a request waits for a planned row at most, then any row will do
 
 
 @dataclass
@@ -110,6 +110,14 @@ class FleetView:
             arr = rendezvous_scores(stable_hash(adapter), self.hashes)
             s = self._scores[adapter] = arr.tolist() if len(arr) <= SMALL_FLEET else arr
         return s
+
+    def tie_scores(self, adapter: str, indexes: Sequence[int]) -> dict[int, int]:
+        """Rendezvous scores of ``adapter`` at a few replicas (a large fleet computes just these)."""
+        if len(self.replica_ids) <= SMALL_FLEET:
+            s = self.scores(adapter)
+            return {i: int(s[i]) for i in indexes}
+        arr = rendezvous_scores(stable_hash(adapter), self.hashes[np.asarray(indexes, dtype=np.int64)])
+        return dict(zip(indexes, arr.tolist()))
 
     def order(self, adapter: str, k: int) -> list[int]:
         """The first ``k`` replicas in ``adapter``'s rendezvous order, cached."""
@@ -163,9 +171,8 @@ def choose_replicas(adapter: Optional[str], view: FleetView, loads: Sequence[flo
     for i in ranked:  # work-conserving within the plan
         if ctx.has_row(i) and (patient or i not in ctx.blocked):
             return RoutingDecision([[i]], _kind(adapter, ctx.holders, planned, i), best=best, ect=ctx.ect)
-    if waited_s > config.max_router_wait * t_best:  # bounded wait: queue at the best planned replica
-        return RoutingDecision([[best]], _kind(adapter, ctx.holders, planned, best), best=best, ect=ctx.ect)
-    spill = _spill_target(ctx, planned, best, waiting or {})
+    overdue = waited_s > config.max_router_wait * t_best / ctx.cap(best)  # bounded wait: any free row now
+    spill = _spill_target(ctx, planned, best, waiting or {}, overdue)
     if spill is not None:
         return RoutingDecision([[spill]], "spill", best=best, ect=ctx.ect)
     return RoutingDecision([], "wait", wait=True, best=best, ect=ctx.ect)
@@ -230,11 +237,15 @@ class _Scoring:
         co-running request's cost) by the cheapest kind of placement, then rendezvous order, so
         routers whose estimates differ slightly still agree."""
         scored = sorted((self.score(i), i) for i in candidates)
+        if len(scored) == 1:
+            return [scored[0][1]]
         best_e, best_i = scored[0]
         t = self.request_time(best_i)
         limit = best_e + max(self.config.tie_epsilon * t / self.cap(best_i), self.slowdown * t)
-        scores = self.view.scores(self.adapter)
-        tied = sorted((i for e, i in scored if e <= limit), key=lambda i: (self.cost_class[i], -int(scores[i])))
+        tied = [i for e, i in scored if e <= limit]
+        if len(tied) > 1:
+            scores = self.view.tie_scores(self.adapter, tied)
+            tied.sort(key=lambda i: (self.cost_class[i], -scores[i]))
         return tied + [i for e, i in scored if e > limit]
 
 
@@ -247,28 +258,33 @@ def _route_base(ctx: _Scoring, candidates) -> RoutingDecision:
     return RoutingDecision([], "wait", wait=True, best=scored[0][2], ect=ctx.ect)
 
 
-def _spill_target(ctx: _Scoring, planned: Sequence[int], best: int, waiting: Mapping) -> Optional[int]:
+def _spill_target(ctx: _Scoring, planned: Sequence[int], best: int, waiting: Mapping,
+                  overdue: bool = False) -> Optional[int]:
     """A replica outside the plan worth a load now, or None (wait for a planned row).
 
     Every planned replica is full. Leaving the plan pays off only when the wait for a planned row
     exceeds the whole cost of a load elsewhere (its own time, the batch it stalls, the victim's
     reload) by ``spill_margin`` request times, and only on a replica whose free rows its own
-    planned adapters' waiting requests will not take."""
+    planned adapters' waiting requests will not take. ``overdue``: the request has waited its
+    bound; the least costly free row anywhere takes it."""
     view, cfg = ctx.view, ctx.config
-    t_best = ctx.request_time(best)
-    wait = ctx.score(best) + (1 + _ahead(view, best, waiting)) * t_best / ctx.cap(best)
+    row_wait = ctx.request_time(best) / ctx.cap(best)
+    margin = 0.0 if overdue else cfg.spill_margin * row_wait
+    wait = ctx.score(best) + _ahead(view, best, waiting) * row_wait  # the score counts its own row
+    if not overdue and wait <= margin:
+        return None  # no load anywhere is cheaper than nothing: the common case costs no scan
     n = len(view.replica_ids)
     others = range(n) if n <= SMALL_FLEET else _candidates(ctx.adapter, view, ctx.loads, ctx.holders, cfg)
     target, target_cost = None, float("inf")
     inside = set(planned)
     for j in others:
-        if j in inside or ctx.loads[j] + _ahead(view, j, waiting) >= ctx.cap(j):
+        if j in inside or ctx.loads[j] + (0.0 if overdue else _ahead(view, j, waiting)) >= ctx.cap(j):
             continue
         cost = ctx.score(j) + ctx.stall[j]
         if j in ctx.blocked or cost >= target_cost:
             continue
         target, target_cost = j, cost
-    if target is None or wait - target_cost <= cfg.spill_margin * t_best:
+    if target is None or (not overdue and wait - target_cost <= margin):
         return None
     return target
 

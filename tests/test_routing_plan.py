@@ -73,16 +73,25 @@ def test_holders_go_after_the_cool_down_and_idle_adapters_leave_the_plan():
     assert len(planner.update(10.0, {"a": 1.0, "b": 1.0}, reps).holders["a"]) == 4
     assert len(planner.update(41.0, {"a": 1.0, "b": 1.0}, reps).holders["a"]) == 1
     planner.update(50.0, {"a": 1.0}, reps)  # b idle from now on
-    assert "b" in planner.update(70.0, {"a": 1.0}, reps).holders
-    assert "b" not in planner.update(81.0, {"a": 1.0}, reps).holders
+    assert "b" in planner.update(160.0, {"a": 1.0}, reps).holders
+    assert "b" not in planner.update(171.0, {"a": 1.0}, reps).holders
 
 
-def test_a_demand_shift_without_a_count_change_moves_no_placement():
+def test_a_demand_shift_within_the_tolerance_moves_no_placement_and_a_lasting_overload_moves_one():
     planner = FleetPlanner()
-    first = planner.update(0.0, {a: 0.5 for a in DEMO}, replicas())
-    skewed = {a: (3.0 if a in ("demo-0", "demo-2", "demo-4") else 0.1) for a in DEMO}  # under one replica each
-    later = planner.update(100.0, skewed, replicas())
+    reps = replicas(n=3, slots=3)
+    first = planner.update(0.0, {a: 0.5 for a in DEMO}, reps)
+    on_r0 = [a for a, rs in first.holders.items() if rs == ("r0",)]
+    assert len(on_r0) == 2
+    shifted = {a: (0.6 if a in on_r0 else 0.45) for a in DEMO}  # r0 a little above the mean
+    later = planner.update(100.0, shifted, reps)
     assert later.holders == first.holders and later.version == first.version
+    overloaded = {a: (4.0 if a in on_r0 else 0.5) for a in DEMO}  # r0: 1 replica of load, the others 0.125
+    planner.update(200.0, overloaded, reps)
+    assert planner.update(229.0, overloaded, reps).holders == first.holders  # not for long enough yet
+    moved = planner.update(231.0, overloaded, reps)
+    assert sum(moved.holders[a] != first.holders[a] for a in on_r0) == 1
+    assert max(per_replica(moved).values()) <= 3
 
 
 def test_copies_that_do_not_fit_keep_a_spare_slot_per_replica():

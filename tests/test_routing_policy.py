@@ -94,12 +94,14 @@ def test_no_spill_takes_a_row_owed_to_the_targets_own_adapters():
 
 
 def test_a_request_waits_in_the_router_at_most_its_bound():
+    """Past ``max_router_wait`` rows' waits (8 x 0.2 s / 8 = 0.2 s) any free row takes it."""
     ids = IDS[:2]
     v = planned_view({"a": {0}}, {"a": {0}}, ids=ids)
-    cfg = RoutingConfig(max_router_wait=4.0)
-    assert choose_replicas("a", v, [8, 8], cfg, caps=[8, 8], request_s=[0.2, 0.2], waited_s=0.7).wait
-    late = choose_replicas("a", v, [8, 8], cfg, caps=[8, 8], request_s=[0.2, 0.2], waited_s=0.9)
-    assert late.tiers == [[0]] and late.kind == "affinity"  # queues at its planned replica
+    cfg = RoutingConfig(max_router_wait=8.0)
+    assert choose_replicas("a", v, [8, 0], cfg, caps=[8, 8], request_s=[0.2, 0.2], waited_s=0.1).wait
+    late = choose_replicas("a", v, [8, 0], cfg, caps=[8, 8], request_s=[0.2, 0.2], waited_s=0.25)
+    assert late.tiers == [[1]] and late.kind == "spill"
+    assert choose_replicas("a", v, [8, 8], cfg, caps=[8, 8], request_s=[0.2, 0.2], waited_s=5.0).wait  # no row
 
 
 def test_work_conserving_within_the_planned_set():

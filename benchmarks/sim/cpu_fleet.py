@@ -140,6 +140,9 @@ class CpuFleet:
             self.feed = DirectoryFeed(lambda: self.now, cfg.lag_s, cfg.max_batch)
             listener = self.feed.on_pool_event
         self.replicas = [_Replica(i, rid, cfg, self._fetch, listener) for i, rid in enumerate(self.ids)]
+        if self.feed is not None:
+            for replica in self.replicas:
+                self.feed.join(replica.rid, replica.pool.snapshot())
         self.requests = [SimRequest(i, a, 0.0, len(p), n, 16) for i, (a, p, n) in enumerate(requests)]
         self.concurrency = concurrency
         self.heap: list = []

@@ -29,6 +29,15 @@ class DirectoryFeed:
         self._planned_at = float("-inf")
         self._busy: dict[str, Counter] = {}  # replica -> adapter -> request-seconds not yet reported
 
+    def join(self, replica_id: str, snapshot) -> None:
+        """A replica starts: its first report (a snapshot), as a live worker's at start, so the plan
+        can place adapters on it before its pool has loaded anything."""
+        self.directory.apply_snapshot(snapshot)
+
+    def leave(self, replica_id: str) -> None:
+        """A replica stops taking traffic: its goodbye (the plan forgets it at once)."""
+        self.directory.forget_replica(replica_id)
+
     def record_busy(self, replica_id: str, adapter: str, seconds: float) -> None:
         """A request finished on ``replica_id`` after ``seconds`` there (the worker's busy accounting)."""
         self._busy.setdefault(replica_id, Counter())[adapter] += seconds
