@@ -59,7 +59,7 @@ class RoutingConfig:
     demand_horizon: float = 4.0       # a victim asked for within this many request times is "in use"
     candidate_width: int = 4          # large fleets: rendezvous-first and least-loaded replicas scored
     spill_margin: float = 2.0         # rows' waits (T / cap) a planned row's wait must exceed a load elsewhere by
-    max_router_wait: float = 8.0      # rows' waits a request waits for a planned row at most, then any row will do
+    max_router_wait: float = 4.0      # rows' waits a request waits for a planned row at most, then any row will do
 
 
 @dataclass
@@ -191,7 +191,7 @@ class _Scoring:
         self.ect: dict[int, float] = {}
         self.cost_class: dict[int, int] = {}  # 0 resident, 1 load into a free slot, 2 load that evicts
         self.blocked: set[int] = set()        # replicas whose running batch the adapter cannot join now
-        self.stall: dict[int, float] = {}     # what a load there costs the requests running there
+        self.load_cost: dict[int, float] = {}  # a load's whole cost there: its time, its victim's, the stall
 
     def cap(self, i: int) -> float:
         return self.caps[i] if self.caps is not None else float(self.config.default_max_ongoing)
@@ -212,13 +212,13 @@ class _Scoring:
         if self.join_check and view.slots[i] and not _can_join(adapter, i, view, self.active):
             e += cfg.slot_wait_fraction * t
             self.blocked.add(i)
-        stall = 0.0
+        load_cost = 0.0
         if adapter is None or i in self.holders:
             self.cost_class[i] = 0
         else:
             load_s = _load_s(view, i, i in self.warm, cfg)
             e += load_s
-            stall = load_s * q  # the running batch waits while the slot fills
+            load_cost = load_s * (1 + q)  # the running batch waits while the slot fills
             if view.free[i] > 0:
                 self.cost_class[i] = 1
             else:
@@ -227,8 +227,8 @@ class _Scoring:
                 # the victim, asked for again, reloads (stalling that batch too) and evicts in turn
                 victim = min(1.0, rate * cfg.demand_horizon * t) * _load_s(view, i, True, cfg)
                 e += victim
-                stall += 2.0 * victim * (1 + q)
-        self.stall[i] = stall
+                load_cost += 2.0 * victim * (1 + q)
+        self.load_cost[i] = load_cost
         self.ect[i] = e
         return e
 
@@ -270,7 +270,9 @@ def _spill_target(ctx: _Scoring, planned: Sequence[int], best: int, waiting: Map
     view, cfg = ctx.view, ctx.config
     row_wait = ctx.request_time(best) / ctx.cap(best)
     margin = 0.0 if overdue else cfg.spill_margin * row_wait
-    wait = ctx.score(best) + _ahead(view, best, waiting) * row_wait  # the score counts its own row
+    # the wait for a planned row: the rows ahead of it (a full replica frees one per row_wait); what
+    # sharing a batch costs is no reason to leave the plan (a spill shares a batch elsewhere too)
+    wait = max(0.0, ctx.loads[best] + 1 - ctx.cap(best) + _ahead(view, best, waiting)) * row_wait
     if not overdue and wait <= margin:
         return None  # no load anywhere is cheaper than nothing: the common case costs no scan
     n = len(view.replica_ids)
@@ -278,9 +280,10 @@ def _spill_target(ctx: _Scoring, planned: Sequence[int], best: int, waiting: Map
     target, target_cost = None, float("inf")
     inside = set(planned)
     for j in others:
-        if j in inside or ctx.loads[j] + (0.0 if overdue else _ahead(view, j, waiting)) >= ctx.cap(j):
-            continue
-        cost = ctx.score(j) + ctx.stall[j]
+        if j in inside or ctx.loads[j] + _ahead(view, j, waiting) >= ctx.cap(j):
+            continue  # its free rows are owed to requests planned there, overdue or not
+        ctx.score(j)
+        cost = ctx.load_cost[j]  # the wait there is none: it has a free row
         if j in ctx.blocked or cost >= target_cost:
             continue
         target, target_cost = j, cost
