@@ -156,6 +156,10 @@ class LoRAWorker:
                 item.replica_id = self.replica_id
             yield item
 
+    def model_info(self) -> dict:
+        """What the OpenAI routes say of the base model (its context window, as the KV cache fits it)."""
+        return {"max_model_len": self.engine.max_model_len}
+
     def _count_load(self, event: PoolEvent) -> None:
         """On the engine thread: count slot loads once the replica is ready (cheap, no lock needed)."""
         if event.kind == "load" and self.warm_start:

@@ -82,6 +82,7 @@ def append_token(seq: Sequence, token: int, eos_ids: set[int], logprob: Optional
     """Add ``token`` to ``seq`` and send its delta; returns "stop" or "length" when ``seq`` is done."""
     seq.output_ids.append(token)
     if seq.logprobs is not None and logprob is not None:
+        logprob.text_offset = seq.detokenizer.num_chars
         seq.logprobs.append(logprob)
     if seq.matcher is not None and not seq.matcher.is_terminated():
         seq.matcher.accept_token(token)

@@ -61,6 +61,7 @@ class TokenLogprob:
     token: str
     logprob: Optional[float]  # None for the first prompt token (nothing predicts it)
     top: list[tuple[int, str, float]] = field(default_factory=list)
+    text_offset: Optional[int] = None  # where its text starts in the choice's text (generated tokens)
 
 
 @dataclass
