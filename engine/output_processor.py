@@ -34,7 +34,9 @@ def process_logits(logits: torch.Tensor, seqs: list[Sequence], eos_ids: set[int]
     """The logits sampling sees: penalties, min_tokens' mask and grammars applied to the rows that use them
     (a copy when any does; ``logits`` itself stays raw for log-probabilities)."""
     penalised = [i for i, s in enumerate(seqs) if has_penalties(s.request)]
-    held = [i for i, s in enumerate(seqs) if len(s.output_ids) < s.request.min_tokens]
+    # a finished response_format may only end: min_tokens does not hold its end back
+    held = [i for i, s in enumerate(seqs) if len(s.output_ids) < s.request.min_tokens
+            and (s.matcher is None or not s.matcher.is_completed())]
     constrained = [i for i, s in enumerate(seqs) if s.matcher is not None]
     if not (penalised or held or constrained):
         return logits

@@ -112,6 +112,8 @@ def fork_ready(running: list[Sequence], logits: torch.Tensor, fork: Callable[[Se
     for i, seq in enumerate(running):
         if seq.group is None or seq.choice_index != 0 or seq.forked or seq.output_ids or seq.cancel_reason:
             continue
+        if seq.num_computed < len(seq.prompt_ids):  # a prefill still in chunks: its last logits are not here yet
+            continue
         seq.forked = True
         for index in range(1, seq.group.n):
             child = fork(seq, index)
