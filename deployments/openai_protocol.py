@@ -63,7 +63,7 @@ class _Common(BaseModel):
 class CompletionRequest(_Common):
     prompt: Union[str, list[int], list[str], list[list[int]]]
     echo: Optional[bool] = None
-    logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS, strict=True)  # a count, not a flag
 
 
 class ChatMessage(BaseModel):
@@ -134,7 +134,7 @@ def to_generate_request(body: Union[CompletionRequest, ChatCompletionRequest], a
     if isinstance(body, ChatCompletionRequest):
         if body.top_logprobs is not None and not body.logprobs:
             raise UnsupportedParameter("top_logprobs", "top_logprobs requires logprobs: true")
-        max_tokens = body.max_completion_tokens or body.max_tokens or default_max_tokens
+        max_tokens = _default(body.max_completion_tokens, _default(body.max_tokens, default_max_tokens))
         messages = [{"role": m.role, "content": _message_text(i, m)} for i, m in enumerate(body.messages)]
         logprobs = _default(body.top_logprobs, 0) if body.logprobs else None
         return GenerateRequest(messages=messages, max_tokens=max_tokens, logprobs=logprobs, **common)

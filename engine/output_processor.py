@@ -26,7 +26,9 @@ def eos_token_ids(tokenizer, model) -> set[int]:
 def ending_tokens(seq: Sequence, eos_ids: set[int]) -> set[int]:
     """Tokens that end ``seq``: EOS (unless ``ignore_eos``) and its request's ``stop_token_ids``."""
     request = seq.request
-    ends = set(request.stop_token_ids or ())
+    if not request.stop_token_ids:
+        return set() if request.ignore_eos else eos_ids
+    ends = set(request.stop_token_ids)
     return ends if request.ignore_eos else ends | eos_ids
 
 

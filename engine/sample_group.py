@@ -75,7 +75,7 @@ def child_of(parent: Sequence, index: int, make_sequence: Callable) -> Sequence:
     """Sample ``index`` of ``parent``'s request: its own seed (``seed + index``), the same prompt."""
     request = parent.request
     seed = None if request.seed is None else request.seed + index
-    child_request = dataclasses.replace(request, seed=seed, n=1)
+    child_request = dataclasses.replace(request, seed=seed, n=1, prompt_logprobs=None)  # the parent scores it
     child = make_sequence(child_request, parent.uid, parent.prompt_ids, parent.group.sink_for(index))
     child.choice_index = index
     child.group = parent.group
