@@ -167,3 +167,22 @@ def test_bad_output_parameters_are_refused_by_name_before_any_work(engine, kwarg
         engine.generate_blocking(GenerateRequest(prompt="x", **{"max_tokens": 4, **kwargs}))
     assert err.value.field == field and field in str(err.value)
     assert engine.steps == steps
+
+
+def test_n_samples_without_batch_room_queue_and_still_match(demo_assets):
+    """Samples that find no batch place wait as plain sequences: same choices, the prompt's full blocks reused."""
+    eng = engine_for(demo_assets.model_dir, max_batch_size=2)
+    try:
+        prompt = [1, *range(60, 100)]
+        request = dict(token_ids=prompt, max_tokens=6, n=4, temperature=1.0, seed=21, logprobs=0, prompt_logprobs=1)
+        hits_before = eng.cache.allocator.prefix_hits
+        queued = eng.generate_blocking(GenerateRequest(**request))
+        assert len(queued.choices) == 4 and len(queued.prompt_logprobs) == len(prompt)
+        assert eng.cache.allocator.prefix_hits > hits_before  # the queued samples took the prompt's blocks
+        for choice in queued.choices:
+            solo = eng.generate_blocking(GenerateRequest(token_ids=prompt, max_tokens=6, temperature=1.0,
+                                                         seed=21 + choice.index))
+            assert choice.token_ids == solo.token_ids
+        assert eng.cache.allocator.num_used == 0
+    finally:
+        eng.shutdown()
