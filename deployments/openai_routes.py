@@ -24,11 +24,15 @@ def openai_router(ingress) -> APIRouter:
     router = APIRouter()
     args = ingress.args
 
+    base_names = {args.model_name, args.base_model, "", "base"}
+    context: dict = {}  # the engine's context window, asked of a worker once
+
     def adapter_for_model(model: str):
-        return None if model in (args.base_model, "", "base") else model
+        return None if model in base_names else model
 
     async def respond(body, chat: bool):
-        request = to_generate_request(body, adapter_for_model(body.model), args.max_tokens_limit)
+        request = to_generate_request(body, adapter_for_model(body.model))
+        model = args.model_name if request.adapter is None else body.model
         prompt_chars = text_chars(request)
         if prompt_chars > args.max_prompt_chars:
             raise InvalidRequestError("prompt", f"prompt of {prompt_chars} characters exceeds the limit of "
@@ -38,12 +42,12 @@ def openai_router(ingress) -> APIRouter:
         rid = new_id("chatcmpl" if chat else "cmpl")
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return await stream(request, body.model, rid, chat, include_usage, admission)
+            return await stream(request, model, rid, chat, include_usage, admission)
         try:
             result = await ingress.limiter.call(lambda: ingress.worker.generate.remote(request))
         finally:
             admission.release()
-        return JSONResponse(completion_body(result, body.model, rid, chat),
+        return JSONResponse(completion_body(result, model, rid, chat, body),
                             headers={"x-lorafleet-replica": result.replica_id or "", **admission.headers()})
 
     async def stream(request: GenerateRequest, model: str, rid: str, chat: bool, include_usage: bool, admission):
@@ -80,12 +84,14 @@ def openai_router(ingress) -> APIRouter:
 
     @router.get("/v1/models")
     async def models():  # the ingress's own copy of the registry (followed by long poll): no directory call
-        data = [{"id": args.base_model, "object": "model", "created": 0, "owned_by": "lorafleet",
-                 "root": args.base_model, "parent": None}]
+        if "max_model_len" not in context:
+            context["max_model_len"] = (await ingress.worker.model_info.remote())["max_model_len"]
+        data = [{"id": args.model_name, "object": "model", "created": 0, "owned_by": "lorafleet",
+                 "root": args.base_model, "parent": None, "max_model_len": context["max_model_len"]}]
         for name, family in sorted(families(ingress.registry.entries.values()).items()):
             # one model per requested name (versions are the admin API's business, as are sources)
             data.append({"id": name, "object": "model", "created": int(family[0].created), "owned_by": "lorafleet",
-                         "root": name, "parent": args.base_model})
+                         "root": name, "parent": args.model_name, "max_model_len": context["max_model_len"]})
         return {"object": "list", "data": data}
 
     @router.get("/health")

@@ -171,6 +171,10 @@ class LoRAWorker:
         if name is not None:
             self._busy_s[name] += time.monotonic() - started
 
+    def model_info(self) -> dict:
+        """What the OpenAI routes say of the base model (its context window, as the KV cache fits it)."""
+        return {"max_model_len": self.engine.max_model_len}
+
     def _count_load(self, event: PoolEvent) -> None:
         """On the engine thread: count slot loads once the replica is ready (cheap, no lock needed)."""
         if event.kind == "load" and self.warm_start:
