@@ -59,6 +59,7 @@ class RoutingConfig:
     demand_horizon: float = 4.0       # a victim asked for within this many request times is "in use"
     candidate_width: int = 4          # large fleets: rendezvous-first and least-loaded replicas scored
     spill_margin: float = 2.0         # rows' waits (T / cap) a planned row's wait must exceed a load elsewhere by
+    spill_headroom: int = 2           # free rows a spill target must have beyond those owed (one is a blip)
     max_router_wait: float = 4.0      # rows' waits a request waits for a planned row at most, then any row will do
 
 
@@ -265,7 +266,7 @@ def _spill_target(ctx: _Scoring, planned: Sequence[int], best: int, waiting: Map
     Every planned replica is full. Leaving the plan pays off only when the wait for a planned row
     exceeds the whole cost of a load elsewhere (its own time, the batch it stalls, the victim's
     reload) by ``spill_margin`` request times, and only on a replica whose free rows its own
-    planned adapters' waiting requests will not take. ``overdue``: the request has waited its
+    planned adapters' waiting requests will not take (``spill_headroom`` of them). ``overdue``: the request has waited its
     bound; the least costly free row anywhere takes it."""
     view, cfg = ctx.view, ctx.config
     row_wait = ctx.request_time(best) / ctx.cap(best)
@@ -280,8 +281,8 @@ def _spill_target(ctx: _Scoring, planned: Sequence[int], best: int, waiting: Map
     target, target_cost = None, float("inf")
     inside = set(planned)
     for j in others:
-        if j in inside or ctx.loads[j] + _ahead(view, j, waiting) >= ctx.cap(j):
-            continue  # its free rows are owed to requests planned there, overdue or not
+        if j in inside or ctx.loads[j] + _ahead(view, j, waiting) + cfg.spill_headroom > ctx.cap(j):
+            continue  # its free rows are owed to requests planned there (overdue or not), or it is nearly full
         ctx.score(j)
         cost = ctx.load_cost[j]  # the wait there is none: it has a free row
         if j in ctx.blocked or cost >= target_cost:

@@ -87,19 +87,21 @@ def test_no_spill_takes_a_row_owed_to_the_targets_own_adapters():
     """At saturation every replica's free row belongs to requests planned there: nothing spills."""
     ids = IDS[:2]
     v = planned_view({"a": {0}, "b": {1}}, {"a": {0}, "b": {1}}, ids=ids, host_s=0.001, disk_s=0.002)
-    free_row = choose_replicas("a", v, [8, 7], caps=[8, 8], request_s=[0.2, 0.2], waiting={"a": 20, "b": 3})
-    assert free_row.wait
-    idle = choose_replicas("a", v, [8, 7], caps=[8, 8], request_s=[0.2, 0.2], waiting={"a": 20})
+    owed = choose_replicas("a", v, [8, 6], caps=[8, 8], request_s=[0.2, 0.2], waiting={"a": 20, "b": 1})
+    assert owed.wait
+    one_row = choose_replicas("a", v, [8, 7], caps=[8, 8], request_s=[0.2, 0.2], waiting={"a": 20})
+    assert one_row.wait  # a single free row is a blip (a completion), not idle capacity
+    idle = choose_replicas("a", v, [8, 6], caps=[8, 8], request_s=[0.2, 0.2], waiting={"a": 20})
     assert idle.kind == "spill" and idle.tiers == [[1]]
 
 
 def test_a_request_waits_in_the_router_at_most_its_bound():
-    """Past ``max_router_wait`` rows' waits (8 x 0.2 s / 8 = 0.2 s) any free row takes it."""
+    """Past ``max_router_wait`` rows' waits (4 x 0.2 s / 8 = 0.1 s) any idle row takes it."""
     ids = IDS[:2]
     v = planned_view({"a": {0}}, {"a": {0}}, ids=ids)
-    cfg = RoutingConfig(max_router_wait=8.0)
-    assert choose_replicas("a", v, [8, 0], cfg, caps=[8, 8], request_s=[0.2, 0.2], waited_s=0.1).wait
-    late = choose_replicas("a", v, [8, 0], cfg, caps=[8, 8], request_s=[0.2, 0.2], waited_s=0.25)
+    cfg = RoutingConfig(max_router_wait=4.0)
+    assert choose_replicas("a", v, [8, 0], cfg, caps=[8, 8], request_s=[0.2, 0.2], waited_s=0.05).wait
+    late = choose_replicas("a", v, [8, 0], cfg, caps=[8, 8], request_s=[0.2, 0.2], waited_s=0.12)
     assert late.tiers == [[1]] and late.kind == "spill"
     assert choose_replicas("a", v, [8, 8], cfg, caps=[8, 8], request_s=[0.2, 0.2], waited_s=5.0).wait  # no row
 
