@@ -204,7 +204,7 @@ class AdapterDirectoryActor:
                 self._view_changes.bump()
                 self._registry_changes.bump()
             plan_version = self.directory.plan.version
-            if self.directory.update_plan().version != plan_version:
+            if self.directory.update_plan(registered=self.registry).version != plan_version:
                 self._view_changes.bump()  # wakes every router's long poll with the new plan
 
     # ------------------------------------------------------------------ elastic fleet (warm start, scale-down)

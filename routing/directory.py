@@ -186,11 +186,13 @@ class AdapterDirectory:
             self._bump(replica_id)
         return not state.needs_resync
 
-    def update_plan(self) -> PlacementPlan:
-        """Re-plan from the current demand and replica states (a new version only when it changed)."""
+    def update_plan(self, registered: Iterable[str] = ()) -> PlacementPlan:
+        """Re-plan from the current demand and replica states (a new version only when it changed);
+        ``registered``: the adapters that exist (planned before their first request)."""
         self.demand.prune()
         demand = {name: self.demand.get(name) for name in self.demand.names()}
-        return self.planner.update(self._clock(), demand, [s.slots_for_plan() for s in self.replicas.values()])
+        return self.planner.update(self._clock(), demand, [s.slots_for_plan() for s in self.replicas.values()],
+                                   registered)
 
     @property
     def plan(self) -> PlacementPlan:

@@ -25,6 +25,10 @@ directory (one writer, read by every router) keeps a plan, and routers route wit
   adapter that finds no budget is still planned, on the least loaded replica (it will load
   there on demand, into the spare slot).
 
+The plan also names the replicas its placements keep busy (planned load at least
+``busy_above`` of their rows): a request never spills onto one, since its free row is only
+between two of its own requests, whatever a router's partial view of its queue says.
+
 Pure, deterministic (sorted inputs, ties by replica id), no Ray. The directory runs it; the
 simulator runs the same class.
 """
@@ -34,7 +38,7 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass, field
-from typing import Mapping, Optional, Sequence
+from typing import Iterable, Mapping, Optional, Sequence
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,8 @@ class PlanConfig:
     overload_share: float = 0.5       # a holder more loaded than the mean by this share (and by
     overload_floor: float = 0.1       # ... this many replicas of load) for overload_after_s
     overload_after_s: float = 30.0    # ... hands placements to the least loaded
+    busy_above: float = 0.8           # planned load (share of a replica's rows) that makes it busy ...
+    busy_below: float = 0.6           # ... until it falls below this: routers spill nothing onto it
 
 
 @dataclass(frozen=True)
@@ -66,13 +72,16 @@ class ReplicaSlots:
 class PlacementPlan:
     version: int = 0
     holders: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # adapter -> planned replica ids
+    busy: frozenset = frozenset()  # replicas whose planned adapters keep them busy: no spill goes there
 
     def to_dict(self) -> dict:
-        return {"version": self.version, "holders": {a: list(r) for a, r in self.holders.items()}}
+        return {"version": self.version, "holders": {a: list(r) for a, r in self.holders.items()},
+                "busy": sorted(self.busy)}
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "PlacementPlan":
-        return cls(int(d.get("version", 0)), {a: tuple(r) for a, r in (d.get("holders") or {}).items()})
+        return cls(int(d.get("version", 0)), {a: tuple(r) for a, r in (d.get("holders") or {}).items()},
+                   frozenset(d.get("busy") or ()))
 
 
 class FleetPlanner:
@@ -88,16 +97,21 @@ class FleetPlanner:
         self._over_since: dict[str, float] = {}  # replica -> since when its planned load is above the bound
         self._replica_ids: set[str] = set()
 
-    def update(self, now: float, demand: Mapping[str, float], replicas: Sequence[ReplicaSlots]) -> PlacementPlan:
+    def update(self, now: float, demand: Mapping[str, float], replicas: Sequence[ReplicaSlots],
+               registered: Iterable[str] = ()) -> PlacementPlan:
         """A new plan (a new version only when some adapter's holders changed).
 
-        ``demand``: adapter -> requests in service on average across the fleet."""
+        ``demand``: adapter -> requests in service on average across the fleet. ``registered``:
+        adapters that exist though no demand is measured yet; they are planned with the least need
+        the plan keeps, so the first request already finds its place (no placement to correct later)."""
         replicas = sorted(replicas, key=lambda r: r.replica_id)
         if not replicas:
             return self.plan
         rows = [r.rows or self.default_rows for r in replicas]
         mean_rows = sum(rows) / len(rows)
         need = {a: d / mean_rows for a, d in demand.items() if d > 0}
+        for name in registered:
+            need[name] = max(need.get(name, 0.0), self.config.forget_below)
         pinned_on: dict[str, list[int]] = {}
         for i, r in enumerate(replicas):
             for name in r.pinned:
@@ -106,10 +120,18 @@ class FleetPlanner:
         ids = {r.replica_id for r in replicas}
         joined = bool(self._replica_ids) and not ids <= self._replica_ids  # a replica joined: rebalance now
         self._replica_ids = ids
-        holders = self._assign(now, counts, need, replicas, pinned_on, joined)
-        if holders != dict(self.plan.holders):
-            self.plan = PlacementPlan(self.plan.version + 1, holders)
+        holders, load = self._assign(now, counts, need, replicas, pinned_on, joined)
+        busy = self._busy(replicas, load)
+        if holders != dict(self.plan.holders) or busy != self.plan.busy:
+            self.plan = PlacementPlan(self.plan.version + 1, holders, busy)
         return self.plan
+
+    def _busy(self, replicas: Sequence[ReplicaSlots], load: Sequence[float]) -> frozenset:
+        """Replicas whose planned load is at least ``busy_above`` of their rows (and stay busy until it
+        falls below ``busy_below``: the set changes rarely, so the plan's version does too)."""
+        cfg, before = self.config, self.plan.busy
+        return frozenset(r.replica_id for r, x in zip(replicas, load)
+                         if x >= cfg.busy_above or (r.replica_id in before and x >= cfg.busy_below))
 
     # ------------------------------------------------------------------ how many holders
 
@@ -145,7 +167,7 @@ class FleetPlanner:
 
     def _assign(self, now: float, counts: Mapping[str, int], need: Mapping[str, float],
                 replicas: Sequence[ReplicaSlots], pinned_on: Mapping[str, list[int]],
-                joined: bool = False) -> dict[str, tuple[str, ...]]:
+                joined: bool = False) -> tuple[dict[str, tuple[str, ...]], list[float]]:
         cfg = self.config
         n = len(replicas)
         index = {r.replica_id: i for i, r in enumerate(replicas)}
@@ -214,8 +236,9 @@ class FleetPlanner:
                 self._over_since.setdefault(r.replica_id, now)
             else:
                 self._over_since.pop(r.replica_id, None)
-        return {name: tuple(sorted(replicas[i].replica_id for i in picked)) for name, picked in sorted(chosen.items())
-                if picked}
+        holders = {name: tuple(sorted(replicas[i].replica_id for i in picked))
+                   for name, picked in sorted(chosen.items()) if picked}
+        return holders, load
 
 
 def _move_cost(name: str, i: int, previous: set, replicas: Sequence[ReplicaSlots], margin: float) -> float:

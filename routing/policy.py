@@ -60,6 +60,7 @@ class RoutingConfig:
     candidate_width: int = 4          # large fleets: rendezvous-first and least-loaded replicas scored
     spill_margin: float = 2.0         # rows' waits (T / cap) a planned row's wait must exceed a load elsewhere by
     spill_headroom: int = 2           # free rows a spill target must have beyond those owed (one is a blip)
+    idle_rows: float = 4.0            # rows' waits since a replica was last seen full before it counts as idle
     max_router_wait: float = 4.0      # rows' waits a request waits for a planned row at most, then any row will do
 
 
@@ -93,6 +94,7 @@ class FleetView:
     score_cache: Optional[dict] = None  # adapter -> rendezvous scores and order for these replica_ids (shareable)
     planned: Optional[Mapping[str, tuple[int, ...]]] = None  # the fleet plan: adapter -> planned replica indexes
     planned_on: Optional[Sequence[tuple[str, ...]]] = None   # per replica: the adapters planned there
+    busy: frozenset = frozenset()  # replica indexes the plan keeps busy (no spill target)
 
     def __post_init__(self) -> None:
         n = len(self.replica_ids)
@@ -139,7 +141,8 @@ def choose_replicas(adapter: Optional[str], view: FleetView, loads: Sequence[flo
                     demand: Optional[Mapping[str, float]] = None,
                     last_used: Optional[Sequence[Mapping[str, float]]] = None,
                     batch_slowdown: Optional[float] = None, waited_s: float = 0.0,
-                    waiting: Optional[Mapping[Optional[str], int]] = None) -> RoutingDecision:
+                    waiting: Optional[Mapping[Optional[str], int]] = None,
+                    full_at: Optional[Sequence[float]] = None, now: float = 0.0) -> RoutingDecision:
     """Route within the adapter's planned set, by expected completion time; see the module docstring.
 
     ``loads``: ongoing requests per replica (Serve's queue lengths). ``caps``: each one's
@@ -150,7 +153,9 @@ def choose_replicas(adapter: Optional[str], view: FleetView, loads: Sequence[flo
     the least recently used, as the pools evict). ``batch_slowdown``: measured (see
     ``LocalRouterState.batch_slowdown``); None: the config's. ``waited_s``: how long the request
     has waited in the router already. ``waiting``: this router's other waiting requests per
-    adapter (the rows a replica's own planned adapters will take first).
+    adapter (the rows a replica's own planned adapters will take first). ``full_at``: when this
+    router last saw each replica full (``now``: the same clock); a replica full within
+    ``idle_rows`` rows' waits is busy, whatever its queue says this instant, and takes no spill.
     """
     n = len(view.replica_ids)
     if n == 0:
@@ -173,7 +178,7 @@ def choose_replicas(adapter: Optional[str], view: FleetView, loads: Sequence[flo
         if ctx.has_row(i) and (patient or i not in ctx.blocked):
             return RoutingDecision([[i]], _kind(adapter, ctx.holders, planned, i), best=best, ect=ctx.ect)
     overdue = waited_s > config.max_router_wait * t_best / ctx.cap(best)  # bounded wait: any free row now
-    spill = _spill_target(ctx, planned, best, waiting or {}, overdue)
+    spill = _spill_target(ctx, planned, best, waiting or {}, overdue, full_at, now)
     if spill is not None:
         return RoutingDecision([[spill]], "spill", best=best, ect=ctx.ect)
     return RoutingDecision([], "wait", wait=True, best=best, ect=ctx.ect)
@@ -259,8 +264,8 @@ def _route_base(ctx: _Scoring, candidates) -> RoutingDecision:
     return RoutingDecision([], "wait", wait=True, best=scored[0][2], ect=ctx.ect)
 
 
-def _spill_target(ctx: _Scoring, planned: Sequence[int], best: int, waiting: Mapping,
-                  overdue: bool = False) -> Optional[int]:
+def _spill_target(ctx: _Scoring, planned: Sequence[int], best: int, waiting: Mapping, overdue: bool = False,
+                  full_at: Optional[Sequence[float]] = None, now: float = 0.0) -> Optional[int]:
     """A replica outside the plan worth a load now, or None (wait for a planned row).
 
     Every planned replica is full. Leaving the plan pays off only when the wait for a planned row
@@ -281,8 +286,11 @@ def _spill_target(ctx: _Scoring, planned: Sequence[int], best: int, waiting: Map
     target, target_cost = None, float("inf")
     inside = set(planned)
     for j in others:
-        if j in inside or ctx.loads[j] + _ahead(view, j, waiting) + cfg.spill_headroom > ctx.cap(j):
+        if j in inside or j in view.busy or \
+                ctx.loads[j] + _ahead(view, j, waiting) + cfg.spill_headroom > ctx.cap(j):
             continue  # its free rows are owed to requests planned there (overdue or not), or it is nearly full
+        if full_at is not None and now - full_at[j] < cfg.idle_rows * ctx.request_time(j) / ctx.cap(j):
+            continue  # full a moment ago: other routers' requests will take the row (their waits are unseen)
         ctx.score(j)
         cost = ctx.load_cost[j]  # the wait there is none: it has a free row
         if j in ctx.blocked or cost >= target_cost:
@@ -320,6 +328,8 @@ def _can_join(adapter: Optional[str], i: int, view: FleetView, active: Sequence[
     if running.get(adapter, 0) > 0:
         return True
     pinned = view.pinned[i] if view.pinned is not None else ()
+    if adapter in pinned:
+        return True  # its own pinned slot waits for it
     pinned_idle = sum(1 for p in pinned if p not in running) if pinned else 0
     return len(running) + pinned_idle < view.slots[i]
 

@@ -249,15 +249,19 @@ class AdapterAffinityRouter(RequestRouter):
     def _decide(self, adapter: Optional[str], waited_s: float = 0.0):
         ids, cache, local = self._ids, self.replica_queue_len_cache, self.local
         loads = []
-        for rid in ids:
+        for rid, cap in zip(ids, self._caps):
             probed = cache.get(self._by_id[rid].replica_id)
             q = probed if probed is not None else max(local.inflight.get(rid, 0), self.view.queue_len(rid))
-            loads.append(q + local.pending.get(rid, 0))
+            q += local.pending.get(rid, 0)
+            if q >= cap:
+                local.saw_full(rid)
+            loads.append(q)
         return choose_replicas(adapter, self.view.fleet_view(ids, adapter), loads, self.routing_config,
                                caps=self._caps, request_s=local.request_s_by_index(ids),
                                active=local.active_by_index(ids), demand=local.demand,
                                last_used=local.last_used_by_index(ids), batch_slowdown=local.batch_slowdown(),
-                               waited_s=waited_s, waiting=self._waiting)
+                               waited_s=waited_s, waiting=self._waiting, full_at=local.full_at_by_index(ids),
+                               now=time.monotonic())
 
     async def _wait_for_capacity(self, since: float, timeout: Optional[float] = None) -> bool:
         """Until a request of ours completes or a replica reports room (True), or ``timeout`` (default
@@ -302,6 +306,13 @@ class AdapterAffinityRouter(RequestRouter):
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
         self.local.completed(internal_request_id)
+        self._capacity_freed()
+
+    def decrement_queue_len_cache(self, replica_id) -> None:
+        """Serve lowers its queue-length cache in a callback of its own, after or before
+        ``on_request_completed``: waiters woken before it would see the row still taken and sleep
+        until the next completion, so they are woken again once the cache says it is free."""
+        super().decrement_queue_len_cache(replica_id)
         self._capacity_freed()
 
     def on_replica_actor_died(self, replica_id) -> None:

@@ -90,6 +90,7 @@ class LocalRouterState:
         self.fit_decay = 0.995
         self._chosen: dict[str, tuple[str, float]] = {}        # request id -> (replica, expiry)
         self.pending: Counter = Counter()                      # replica -> chosen, not yet in Serve's cache
+        self.full_at: dict[str, float] = {}                    # replica -> when it was last seen full
 
     # ------------------------------------------------------------------ events
 
@@ -161,7 +162,7 @@ class LocalRouterState:
         return min(1.0, max(0.0, slope / intercept))
 
     def forget_replica(self, replica_id: str) -> None:
-        for table in (self.request_time, self.inflight, self.active, self.pending, self.last_used):
+        for table in (self.request_time, self.inflight, self.active, self.pending, self.last_used, self.full_at):
             table.pop(replica_id, None)
 
     def expire(self) -> None:
@@ -179,6 +180,13 @@ class LocalRouterState:
 
     def last_used_by_index(self, ids: Sequence[str]) -> ByIndex:
         return ByIndex(ids, self.last_used, _EMPTY)
+
+    def saw_full(self, replica_id: str) -> None:
+        """Replica ``replica_id`` had no free row just now (a spill target must have been idle a while)."""
+        self.full_at[replica_id] = self._clock()
+
+    def full_at_by_index(self, ids: Sequence[str]) -> ByIndex:
+        return ByIndex(ids, self.full_at, float("-inf"))
 
     def request_s_by_index(self, ids: Sequence[str]) -> ByIndex:
         """Measured request time per replica; an unmeasured replica gets the fleet's mean."""

@@ -148,3 +148,11 @@ def test_the_directory_plans_from_the_workers_busy_seconds():
     plan = d.update_plan()
     assert set(plan.holders) == set(DEMO) and per_replica(plan) == {"r0": 3, "r1": 3}
     assert d.update_plan().version == plan.version  # nothing changed: the same version
+
+
+def test_registered_adapters_are_planned_before_their_first_request():
+    plan = FleetPlanner().update(0.0, {}, replicas(), registered=DEMO)
+    assert set(plan.holders) == set(DEMO) and per_replica(plan) == {"r0": 3, "r1": 3}
+    warmed = FleetPlanner()
+    warmed.update(0.0, {}, replicas(), registered=DEMO)
+    assert warmed.update(5.0, {a: 0.5 for a in DEMO}, replicas(), registered=DEMO).holders == plan.holders

@@ -142,6 +142,14 @@ def test_an_adapter_that_cannot_join_the_running_batch_goes_where_it_can():
     assert choose_replicas("a", v, [3, 3], caps=[8, 8], active=joinable, request_s=[0.4, 0.4]).tiers == [[0]]
 
 
+def test_a_pinned_adapter_always_joins_its_own_slot():
+    ids = IDS[:2]
+    v = planned_view({"p": {0}}, {"p": {0}}, slots=3, free=[0, 0], residents=[("p", "b", "c"), ()],
+                     pinned=[frozenset({"p"}), frozenset()], ids=ids)
+    decision = choose_replicas("p", v, [2, 0], caps=[8, 8], active=[{"b": 1, "c": 1}, {}], request_s=[0.4, 0.4])
+    assert decision.tiers == [[0]] and decision.kind == "affinity"
+
+
 def test_a_request_that_could_not_join_any_batch_waits_instead_of_holding_a_row():
     """Both planned replicas' slots serve other adapters: sent anywhere, the request would hold a row its
     batch cannot use; it waits in the router, and goes as soon as a slot frees."""

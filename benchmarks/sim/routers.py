@@ -126,7 +126,7 @@ class AffinityRouter(_ViewRouter):
                                    active=local.active_by_index(ids), demand=local.demand,
                                    last_used=local.last_used_by_index(ids),
                                    batch_slowdown=local.batch_slowdown(), waited_s=now - req.arrival,
-                                   waiting=self.waiting)
+                                   waiting=self.waiting, full_at=local.full_at_by_index(ids), now=now)
         if not decision.tiers:
             self._count("wait")
             if req.i not in self._counted:
@@ -139,6 +139,8 @@ class AffinityRouter(_ViewRouter):
             if not self.waiting[req.uid]:
                 del self.waiting[req.uid]
         i = decision.tiers[0][0]
+        if sim.ongoing[i] + 1 >= self.caps[i]:  # this dispatch fills it (the one router sees every send)
+            local.saw_full(ids[i])
         self._count(decision.kind)
         self.view.record_decision(req.uid, ids[i])
         local.routed(str(req.i), ids[i], req.uid)
