@@ -39,7 +39,7 @@ from pool.errors import (
 )
 
 from .openai_protocol import UnsupportedParameter, error_body
-from .registry import RegistryWriteError
+from .registry import RegistryConflictError, RegistryWriteError
 
 log = logging.getLogger("ray.serve")
 
@@ -83,6 +83,7 @@ ERROR_FAMILIES: dict[type[BaseException], ErrorFamily] = {
     EngineUnhealthyError: ErrorFamily(503, "replica_unhealthy", retry_after=1),
     RequestCancelledError: ErrorFamily(499, "cancelled"),
     RegistryWriteError: ErrorFamily(503, "registry_unavailable", retry_after=1),
+    RegistryConflictError: ErrorFamily(409, "registry_conflict"),
     RayActorError: ErrorFamily(503, "replica_unavailable", retry_after=1,
                                message="the replica serving this request was lost; retry the request"),
     LoRAFleetError: ErrorFamily(500),
