@@ -124,6 +124,19 @@ def reserve_port() -> socket.socket:
     return sock
 
 
+def start_local_serve(cpus: int) -> tuple[socket.socket, str]:
+    """A fresh local Ray cluster with Serve's proxy on a free port (held until the caller closes it)."""
+    import ray
+    from ray import serve
+
+    os.environ.update({"LORAFLEET_ADMIN_TOKEN": ADMIN_TOKEN, "SERVE_SOCKET_REUSE_PORT_ENABLED": "1"})
+    port = reserve_port()
+    ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": port.getsockname()[1]})
+    logging.getLogger("ray.serve").setLevel(logging.ERROR)
+    return port, f"http://127.0.0.1:{port.getsockname()[1]}"
+
+
 def admin(method: str, url: str, **kw) -> dict:
     r = httpx.request(method, url, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=300, **kw)
     if r.status_code >= 300:
@@ -182,13 +195,7 @@ def main(argv=None) -> dict:
     client = s3_client(s3)
     client.create_bucket(Bucket=BUCKET)
     upload_folder(client, assets.adapters["demo-5"], BUCKET, "resolve/from-s3")
-    os.environ.update({"LORAFLEET_ADMIN_TOKEN": ADMIN_TOKEN, "SERVE_SOCKET_REUSE_PORT_ENABLED": "1"})
-    port = reserve_port()
-    base = f"http://127.0.0.1:{port.getsockname()[1]}"
-    ray.init(address="local", num_cpus=args.cpus, include_dashboard=False, log_to_driver=False,
-             configure_logging=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": port.getsockname()[1]})
-    logging.getLogger("ray.serve").setLevel(logging.ERROR)
+    port, base = start_local_serve(args.cpus)
     demo_dir = assets.adapters["demo-0"].parent
     app_args = AppArgs(max_loras_per_batch=3, max_lora_rank=16, max_batch_size=4, max_tokens_limit=64,
                        max_model_len=256, host_cache_bytes=64 << 20,

@@ -9,6 +9,7 @@ from its args: routes in openai_routes.py and admin_routes.py, statuses in http_
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import AsyncIterator, Optional
 
 from pydantic import ValidationError
@@ -89,3 +90,12 @@ class LoRAFleetIngress:
 
     async def list_adapters(self) -> dict:
         return await self.admin.describe()
+
+    def admission_stats(self) -> dict:
+        """This ingress replica's front-door counters (benchmarks.abuse reads them; cheap, no I/O)."""
+        resolver = self.gate.resolver
+        return {"pid": os.getpid(), "inflight": self.limiter.inflight, "retries": self.limiter.retries,
+                "repicks": self.front.repicks,
+                "resolver_lookups": resolver.lookups if resolver else 0,
+                "resolver_refused": resolver.limiter.refused if resolver and resolver.limiter else 0,
+                "resolver_misses_held": len(resolver.misses) if resolver else 0}

@@ -14,11 +14,11 @@ compare-and-set on the entries' generations, so two concurrent splits cannot bot
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from typing import Optional
 
 from engine.errors import AdapterExistsError
-from engine.request import ReplicaTarget
 from pool.errors import AdapterNotFoundError
 from routing.identity import mint_uid
 
@@ -26,6 +26,9 @@ from .config import AdapterSpec
 from .fleet_admin import FleetAdmin
 from .registry import RegistryEntry
 from .traffic_split import check_label, check_split, families, label_of, version_entry_name, weights
+
+PREWARM_POLL_S = 0.2  # how often a traffic PUT reads the view while versions warm
+
 
 class VersionedFleetAdmin(FleetAdmin):
     """FleetAdmin that also knows adapter names with several versions."""
@@ -86,6 +89,10 @@ class VersionedFleetAdmin(FleetAdmin):
         starting = [label for label in new if new[label] > 0 and old[label] == 0]
         serving = [e for e in family if old[label_of(e)] > 0]
         warmed = await asyncio.gather(*(self.prewarm(by_label[label], serving) for label in starting))
+        generations = {e.name: e.generation for e in family}
+        for label, (_, generation) in zip(starting, warmed):   # the plan's write, part of this CAS chain
+            by_label[label] = dataclasses.replace(by_label[label], generation=generation, prewarm=None)
+            generations[by_label[label].name] = generation
         retire_at = time.time() + self.retire_grace_s
         updates, retiring = [], []
         for label, entry in by_label.items():
@@ -93,12 +100,12 @@ class VersionedFleetAdmin(FleetAdmin):
                 retiring.append(label)
             due = entry.retire_at if new[label] == 0 and old[label] == 0 else None
             when = retire_at if label in retiring else due
-            if entry.traffic != new[label] or entry.retire_at != when:
+            if entry.traffic != new[label] or entry.retire_at != when or label in starting:
                 updates.append({**entry.to_dict(), "traffic": new[label], "retire_at": when})
         if updates:  # one write: no moment has every version at 0%, and a concurrent split gets a 409
-            await self.directory.write_entries.remote(updates, {e.name: e.generation for e in family})
+            await self.directory.write_entries.remote(updates, generations)
         await self.registry.refresh()
-        return {"name": name, "traffic": new, "prewarmed": dict(zip(starting, warmed)), "retired": retiring,
+        return {"name": name, "traffic": new, "prewarmed": {label: w for label, (w, _) in zip(starting, warmed)}, "retired": retiring,
                 "retire_in_s": self.retire_grace_s if retiring else None}
 
     @property
@@ -106,10 +113,14 @@ class VersionedFleetAdmin(FleetAdmin):
         return self.args.version_retire_grace_s if self.args.version_retire_grace_s is not None \
             else self.args.request_timeout_s
 
-    async def prewarm(self, entry: RegistryEntry, serving: list[RegistryEntry]) -> dict[str, str]:
-        """Host tier where a serving version is held, a slot where one is resident (at least one replica);
-        live replicas only (in the directory's current view), each bounded by ``prewarm_timeout_s``.
-        Returns replica -> "slot" | "host" | "timeout" | "failed: <error>"."""
+    async def prewarm(self, entry: RegistryEntry, serving: list[RegistryEntry]) -> tuple[dict[str, str], int]:
+        """Host tier where a serving version is held, a slot where one is resident (at least one replica).
+
+        The plan is written on the entry (compare-and-set) and each live replica it names warms the
+        version itself when its registry follower sees it, so no call waits on a replica that is gone
+        or on a router queue; this waits for the directory's view to show the result, at most
+        ``prewarm_timeout_s``. Returns (replica -> "slot" | "host" | "timeout", the entry's new generation).
+        """
         replicas = (await self.directory.view.remote())["replicas"]
         live = set(self.registry.replicas) & set(replicas) or set(replicas)
         old_uids = {e.uid for e in serving}
@@ -118,22 +129,26 @@ class VersionedFleetAdmin(FleetAdmin):
         slots = [r for r in holders if old_uids & set(replicas[r]["resident"])]
         if not slots:
             slots = (holders or sorted(live))[:1]
-        targets = sorted(set(holders) | set(slots))
-        calls = {r: self.worker.prewarm_adapter.remote(ReplicaTarget(r), entry.name, r in slots) for r in targets}
-        tasks = {r: asyncio.ensure_future(_awaited(call)) for r, call in calls.items()}
-        if tasks:
-            await asyncio.wait(tasks.values(), timeout=self.args.prewarm_timeout_s)
+        plan = {r: "slot" if r in slots else "host" for r in sorted(set(holders) | set(slots))}
+        (written,) = await self.directory.write_entries.remote([{**entry.to_dict(), "prewarm": plan}],
+                                                               {entry.name: entry.generation})
+        return await self._wait_warm(entry.uid, plan), written["generation"]
+
+    async def _wait_warm(self, uid: str, plan: dict[str, str]) -> dict[str, str]:
+        deadline = time.monotonic() + self.args.prewarm_timeout_s
         outcome: dict[str, str] = {}
-        for r, task in tasks.items():
-            if not task.done():
-                task.cancel()
-                calls[r].cancel()   # a replica that is gone or stuck: stop waiting, stop the work
-                outcome[r] = "timeout"
-            elif task.exception() is not None:
-                outcome[r] = f"failed: {type(task.exception()).__name__}"
-            else:
-                outcome[r] = "slot" if task.result()["resident"] else "host"
-        return outcome
+        while True:
+            replicas = (await self.directory.view.remote())["replicas"]
+            for r, want in plan.items():
+                state = replicas.get(r, {})
+                if uid in state.get("resident", ()):
+                    outcome[r] = "slot"
+                elif uid in state.get("host_cached", ()):
+                    outcome[r] = "host"
+            if all(outcome.get(r) == want or outcome.get(r) == "slot" for r, want in plan.items()) \
+                    or time.monotonic() >= deadline:
+                return {r: outcome.get(r, "timeout") for r in plan}
+            await asyncio.sleep(PREWARM_POLL_S)
 
     async def set_quota(self, name: str, max_concurrency: Optional[int], requests_per_s: Optional[float]) -> dict:
         """The name's quota, written on every entry of the name at once (each ingress reads it from the registry)."""
@@ -144,7 +159,3 @@ class VersionedFleetAdmin(FleetAdmin):
             {e.name: e.generation for e in family})
         await self.registry.refresh()
         return {"name": name, "max_concurrency": max_concurrency, "requests_per_s": requests_per_s}
-
-
-async def _awaited(response):
-    return await response
