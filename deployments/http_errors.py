@@ -52,6 +52,9 @@ class HTTPError(Exception):
         super().__init__(message)
         self.status, self.param, self.code, self.retry_after = status, param, code, retry_after
 
+    def __reduce__(self):  # crosses Ray calls to handle callers: keep every field
+        return (HTTPError, (self.status, str(self), self.param, self.code, self.retry_after))
+
 
 @dataclass(frozen=True)
 class ErrorFamily:

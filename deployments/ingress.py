@@ -94,7 +94,8 @@ class LoRAFleetIngress:
     def admission_stats(self) -> dict:
         """This ingress replica's front-door counters (benchmarks.abuse reads them; cheap, no I/O)."""
         resolver = self.gate.resolver
-        return {"pid": os.getpid(), "inflight": self.limiter.inflight, "retries": self.limiter.retries,
+        return {"pid": os.getpid(), "registry_version": self.registry.version, "inflight": self.limiter.inflight,
+                "quota_peak_inflight": dict(self.gate.quotas.state.peak_inflight), "retries": self.limiter.retries,
                 "repicks": self.front.repicks,
                 "resolver_lookups": resolver.lookups if resolver else 0,
                 "resolver_refused": resolver.limiter.refused if resolver and resolver.limiter else 0,

@@ -34,6 +34,7 @@ class QuotaState:
     inflight: Counter = field(default_factory=Counter)
     buckets: dict[str, _Bucket] = field(default_factory=dict)
     rejections: Counter = field(default_factory=Counter)   # (adapter, quota) -> count
+    peak_inflight: Counter = field(default_factory=Counter)  # adapter -> most requests held at once here
 
 
 def replica_share(limit: int, replicas: int, rank: Optional[int]) -> int:
@@ -94,6 +95,7 @@ class AdapterQuotas:
             bucket.tokens -= 1.0
             bucket.full_at = now + (capacity - bucket.tokens) / rate
         state.inflight[name] += 1
+        state.peak_inflight[name] = max(state.peak_inflight[name], state.inflight[name])
         released = False
 
         def release() -> None:
