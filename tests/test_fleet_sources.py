@@ -212,3 +212,24 @@ def test_quota_429s_name_the_adapter(sources_fleet, metrics_url):
         return (c, r) if c >= codes[429] and r >= rate_codes[429] else None
 
     wait_until(counted, 60, "quota rejections on the metrics endpoint", interval_s=1.0)
+
+
+def test_admin_writes_are_compare_and_set(sources_fleet):
+    """A write based on an entry that changed meanwhile is refused (409) and changes nothing."""
+    from ray import serve
+
+    from deployments.registry import RegistryConflictError
+
+    base = sources_fleet["base"]
+    directory = serve.get_deployment_handle("AdapterDirectory", app_name=APP)
+    entries = lambda: {e["name"]: e for e in directory.get_registry.remote(-1, 0.0).result(timeout_s=30)["entries"]}
+    stale = entries()["quota-a"]
+    assert admin("PUT", f"{base}/v1/adapters/quota-a/quota", json={"max_concurrency": 7}).status_code == 200
+    with pytest.raises(RegistryConflictError, match="changed meanwhile"):
+        directory.write_entries.remote([{**stale, "max_concurrency": 3}],
+                                       {"quota-a": stale["generation"]}).result(timeout_s=30)
+    assert entries()["quota-a"]["max_concurrency"] == 7        # the newer write stands
+    with pytest.raises(RegistryConflictError):                 # a write cannot bring back a removed entry
+        directory.write_entries.remote([{**stale, "name": "gone"}], {"gone": 1}).result(timeout_s=30)
+    assert "gone" not in entries()
+    assert admin("PUT", f"{base}/v1/adapters/quota-a/quota", json={}).status_code == 200
