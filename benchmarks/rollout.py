@@ -5,7 +5,10 @@ to it must cost the clients nothing. Steady traffic runs on ``support`` (v1) whi
 added and shifted 10% -> 50% -> 100% and v1 retired. Measured: errors during the rollout,
 p99 latency during the rollout over the steady state's, and cold loads (requests served by
 v2 at a moment when v2 was resident on no replica, once the split gave it traffic; a
-poller reads the directory's view every 50 ms). Also: the first request for an adapter
+poller reads the directory's view every 50 ms). As v1 is flipped away (and retired at once,
+``version_retire_grace_s: 0``) a burst of requests is fired: those still queued for v1 must
+be re-drawn from the family, never 404; their errors count, their latency (queueing) does
+not. Also: the first request for an adapter
 nobody registered, found by ``adapter_resolvers`` on local disk and on a local S3 server
 (moto's, on 127.0.0.1), next to a second request for it.
 
@@ -21,6 +24,7 @@ import socket
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -35,6 +39,7 @@ APP = "rollout-bench"
 ADMIN_TOKEN = "rollout-bench-token"
 VERSION_HEADER = "x-lorafleet-adapter-version"
 BUCKET = "rollout-bench"
+BURST = 24  # requests fired as v1 is flipped away: 3x what the 2 workers run at once, so most queue
 
 
 @dataclass
@@ -155,6 +160,18 @@ def phase_row(phase: str, samples: list[Sample]) -> dict:
             "p50_ms": percentile_ms(ok, 50), "p99_ms": percentile_ms(ok, 99)}
 
 
+def burst_request(base: str, index: int) -> Sample:
+    """One request of the burst fired at the flip (its latency is mostly queueing: errors count, not p99)."""
+    started = time.monotonic()
+    try:
+        r = httpx.post(f"{base}/v1/completions", timeout=120, json={
+            "model": "support", "prompt": f"burst {index}", "max_tokens": 8, "temperature": 0})
+        status, version = r.status_code, r.headers.get(VERSION_HEADER, "")
+    except httpx.HTTPError:
+        status, version = -2, ""
+    return Sample(started, time.monotonic() - started, status, version, "burst at 100%")
+
+
 def first_request_rows(base: str, models: dict[str, str]) -> list[dict]:
     rows = []
     with httpx.Client(timeout=300) as client:
@@ -203,7 +220,8 @@ def main(argv=None) -> dict:
                                  {"name": "other", "source": str(demo_dir / "demo-3")}],
                        adapter_roots=[str(demo_dir), str(resolve_root)], object_store_prefixes=[f"s3://{BUCKET}"],
                        adapter_cache_dir=str(work / "node-cache"),
-                       adapter_resolvers=[str(resolve_root), f"s3://{BUCKET}/resolve"])
+                       adapter_resolvers=[str(resolve_root), f"s3://{BUCKET}/resolve"],
+                       version_retire_grace_s=0)   # v1 leaves the registry at once: queued requests must re-pick
     options = {"num_replicas": 2, "ray_actor_options": {"num_cpus": 1, "runtime_env": {"env_vars": s3.env()}}}
     rows: list[dict] = []
     try:
@@ -225,17 +243,27 @@ def main(argv=None) -> dict:
         for label, split in (("10%", {"v1": 90, "v2": 10}), ("50%", {"v1": 50, "v2": 50}),
                              ("100%", {"v1": 0, "v2": 100})):
             traffic.phase = f"to {label}"
-            reply = admin("PUT", f"{base}/v1/adapters/support/traffic", json=split)
+            if label == "100%":   # requests queued for v1 when it is flipped away and retired at once
+                with ThreadPoolExecutor(BURST) as pool:
+                    queued = [pool.submit(burst_request, base, i) for i in range(BURST)]
+                    reply = admin("PUT", f"{base}/v1/adapters/support/traffic", json=split)
+                    burst = [f.result() for f in queued]
+            else:
+                reply = admin("PUT", f"{base}/v1/adapters/support/traffic", json=split)
             split_at.setdefault("first", time.monotonic())
             print(f"  traffic {split}: prewarmed {reply['prewarmed']}, retired {reply['retired']}", flush=True)
             traffic.phase = f"at {label}"
             time.sleep(step_s)
         traffic.stop()
         poller.stop()
+        front = serve.get_app_handle(APP).admission_stats.remote().result(timeout_s=30)
+        print(f"  ingress: {front['repicks']} requests re-drawn after their version was retired, "
+              f"{front['retries']} retried after a lost replica", flush=True)
         samples = traffic.samples
         for phase in ("steady", "add v2", "to 10%", "at 10%", "to 50%", "at 50%", "to 100%", "at 100%"):
             rows.append(phase_row(phase, [s for s in samples if s.phase == phase]))
         rollout = [s for s in samples if s.phase not in ("warmup", "steady")]
+        burst_row = {**phase_row("burst at 100%", burst), "p50_ms": None, "p99_ms": None}
         steady = [s for s in samples if s.phase == "steady"]
         cold = [s for s in rollout if s.version == "v2" and s.started >= split_at["first"]
                 and poller.resident_at(s.started) is False]
@@ -248,14 +276,14 @@ def main(argv=None) -> dict:
         shutil.rmtree(work, ignore_errors=True)
 
     rollout_row = phase_row("rollout (all)", rollout)
-    rows.append(rollout_row)
+    rows += [rollout_row, burst_row]
     print()
     common.print_table(rows, ["phase", "requests", "errors", "v1", "v2", "p50_ms", "p99_ms"],
                        title="Rollout of support v1 -> v2 under steady traffic", floatfmt=".1f")
     print()
     common.print_table(first_rows, ["source", "adapter", "first_ms", "second_ms", "status"],
                        title="First request for an unregistered adapter, found by adapter_resolvers", floatfmt=".1f")
-    errors = sum(s.status != 200 for s in rollout)
+    errors = sum(s.status != 200 for s in rollout) + burst_row["errors"]   # the burst's latency is queueing
     ratio = rollout_row["p99_ms"] / phase_row("steady", steady)["p99_ms"]
     goals = [
         common.goal("rollout_errors", errors, "== 0", errors == 0),
