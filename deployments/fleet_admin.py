@@ -78,7 +78,7 @@ class FleetAdmin:
         uid = mint_uid(spec.name)
         facts = await self.worker.validate_adapter.remote(spec.name, spec.source, spec.revision, uid)
         entry = RegistryEntry(name=spec.name, uid=uid, source=spec.source, revision=spec.revision,
-                              pinned=spec.pinned, replicas=replicas, rank=facts["rank"],
+                              pinned=spec.pinned, replicas=replicas, rank=facts["rank"], content=facts.get("content"),
                               retire_at=None if expires_after_s is None else time.time() + expires_after_s)
         stored = await self.directory.put_adapter.remote(entry.to_dict())
         await self.registry.refresh()

@@ -38,6 +38,7 @@ from pool.errors import (
     SourceUnavailableError,
 )
 
+from .content_version import SourceChangedError
 from .openai_protocol import UnsupportedParameter, error_body
 from .registry import RegistryConflictError, RegistryWriteError
 
@@ -87,6 +88,7 @@ ERROR_FAMILIES: dict[type[BaseException], ErrorFamily] = {
     RequestCancelledError: ErrorFamily(499, "cancelled"),
     RegistryWriteError: ErrorFamily(503, "registry_unavailable", retry_after=1),
     RegistryConflictError: ErrorFamily(409, "registry_conflict"),
+    SourceChangedError: ErrorFamily(409, "source_changed"),
     RayActorError: ErrorFamily(503, "replica_unavailable", retry_after=1,
                                message="the replica serving this request was lost; retry the request"),
     LoRAFleetError: ErrorFamily(500),

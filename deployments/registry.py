@@ -34,6 +34,7 @@ class RegistryEntry:
     requests_per_s: Optional[float] = None
     generation: int = 0                   # bumped by the directory on every write (compare-and-set)
     retire_at: Optional[float] = None     # wall time a 0% version leaves the registry (deployments/versions.py)
+    content: Optional[str] = None         # content version at registration (deployments/content_version.py)
     prewarm: Optional[dict] = None        # replica id -> "slot" | "host": workers named here warm it themselves
 
     def to_dict(self) -> dict:

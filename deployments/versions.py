@@ -70,6 +70,7 @@ class VersionedFleetAdmin(FleetAdmin):
         facts = await self.worker.validate_adapter.remote(entry_name, source, revision, uid)
         first = family[0]
         entry = RegistryEntry(name=entry_name, uid=uid, source=source, revision=revision, rank=facts["rank"],
+                              content=facts.get("content"),
                               version=label, version_of=name, traffic=0, max_concurrency=first.max_concurrency,
                               requests_per_s=first.requests_per_s)
         stored = await self.directory.put_adapter.remote(entry.to_dict())

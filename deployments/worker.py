@@ -30,6 +30,7 @@ from routing.pins import pin_holders
 from routing.ray_router import check_router_kwargs
 
 from .autoscaling import LOADS_METRIC, PINNED_METRIC, SLOTS_METRIC, sketch_metric
+from .content_version import SourceChangedError, check_unchanged, content_version
 from .config import AppArgs, resolve_demo_source
 from .engine_metrics import EngineMetrics
 from .event_buffer import EventBuffer
@@ -184,7 +185,8 @@ class LoRAWorker:
         uid = entry.uid
         if not self.engine.is_resident(uid) and not self.engine.host_cached(uid):
             # evicted from the host tier too: re-read it here, off the engine thread, so the step
-            # that loads it into a slot does a memory copy instead of a file read
+            # that loads it into a slot does a memory copy instead of a file read (of what was registered)
+            await asyncio.to_thread(check_unchanged, self.engine.store.record(uid), entry.content)
             with self.load_timings.disk_read():
                 await asyncio.to_thread(self.engine.fetch_to_host, uid)
 
@@ -193,8 +195,13 @@ class LoRAWorker:
         try:
             source = await asyncio.to_thread(resolve_demo_source, entry.source)
             with self.load_timings.disk_read():
-                await asyncio.to_thread(self.engine.register_adapter, entry.name, source, revision=entry.revision,
-                                        uid=entry.uid, pinned=pinned)
+                record = await asyncio.to_thread(self.engine.register_adapter, entry.name, source,
+                                                 revision=entry.revision, uid=entry.uid, pinned=pinned)
+            try:
+                await asyncio.to_thread(check_unchanged, record, entry.content)
+            except SourceChangedError:
+                await asyncio.to_thread(self.engine.unregister_uid, entry.uid, 0.0)  # never serve other weights
+                raise
         finally:
             self.loading.discard(entry.uid)
 
@@ -204,7 +211,8 @@ class LoRAWorker:
         """Read and validate an adapter on this replica (registration's first step); returns its facts."""
         path = await asyncio.to_thread(resolve_demo_source, source)
         record = await asyncio.to_thread(self.engine.validate_adapter_files, uid, path, name=name, revision=revision)
-        return {"rank": record.rank, "bytes": record.nbytes, "folder": str(record.folder)}
+        return {"rank": record.rank, "bytes": record.nbytes, "folder": str(record.folder),
+                "content": await asyncio.to_thread(content_version, record)}
 
     async def prewarm_adapter(self, target: ReplicaTarget, name: str, into_slot: bool = False) -> dict:
         """Bring a registered adapter into this replica's host tier (and a slot) before traffic reaches it."""

@@ -233,3 +233,19 @@ def test_admin_writes_are_compare_and_set(sources_fleet):
         directory.write_entries.remote([{**stale, "name": "gone"}], {"gone": 1}).result(timeout_s=30)
     assert "gone" not in entries()
     assert admin("PUT", f"{base}/v1/adapters/quota-a/quota", json={}).status_code == 200
+
+
+def test_a_source_edited_after_registration_is_refused_not_served(sources_fleet, demo_assets, resolve_root):
+    """The weights were validated at registration; a replica that reads other bytes later serves nothing."""
+    folder = resolve_root / "edited-src"
+    shutil.copytree(demo_assets.adapters["demo-1"], folder)
+    base = sources_fleet["base"]
+    reply = admin("POST", f"{base}/v1/adapters", json={"name": "edited", "source": str(folder)})
+    assert reply.status_code == 201 and reply.json()["content"].startswith("local:"), reply.text
+    weights = folder / "adapter_model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))                 # edited in place before any replica loaded it
+    refused = complete(base, "edited")
+    assert refused.status_code == 409 and refused.json()["error"]["code"] == "source_changed", refused.text
+    assert admin("DELETE", f"{base}/v1/adapters/edited").status_code == 200

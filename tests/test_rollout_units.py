@@ -291,3 +291,26 @@ def test_resolver_lookups_are_limited_to_the_replica_part_of_the_fleet_rate(tmp_
 
     asyncio.run(scenario())
     assert calls == ["n-0", "n-2", "n-4"] and "n-1" not in resolver.misses and limiter.running == 0
+
+
+def test_a_local_folder_content_version_follows_its_bytes_not_its_mtime(demo_assets, tmp_path):
+    import os
+    import shutil
+
+    from deployments.content_version import SourceChangedError, check_unchanged, folder_fingerprint
+    from pool.store import AdapterRecord
+
+    folder = tmp_path / "a"
+    shutil.copytree(demo_assets.adapters["demo-0"], folder)
+    registered = folder_fingerprint(folder)
+    weights = folder / "adapter_model.safetensors"
+    os.utime(weights, ns=(1, 1))                                  # another node's copy: same bytes, other mtime
+    assert folder_fingerprint(folder) == registered
+    record = AdapterRecord(uid="a@1", name="a", source=str(folder), revision=None, folder=folder, rank=4, nbytes=1)
+    check_unchanged(record, registered)
+    check_unchanged(record, None)                                 # registered before versions were recorded
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF                                              # one weight byte edited in place
+    weights.write_bytes(bytes(data))
+    with pytest.raises(SourceChangedError, match="register it again"):
+        check_unchanged(record, registered)
