@@ -106,7 +106,8 @@ class VersionedFleetAdmin(FleetAdmin):
         if updates:  # one write: no moment has every version at 0%, and a concurrent split gets a 409
             await self.directory.write_entries.remote(updates, generations)
         await self.registry.refresh()
-        return {"name": name, "traffic": new, "prewarmed": {label: w for label, (w, _) in zip(starting, warmed)}, "retired": retiring,
+        prewarmed = {label: outcome for label, (outcome, _) in zip(starting, warmed)}
+        return {"name": name, "traffic": new, "prewarmed": prewarmed, "retired": retiring,
                 "retire_in_s": self.retire_grace_s if retiring else None}
 
     @property
