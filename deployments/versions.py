@@ -101,10 +101,13 @@ class VersionedFleetAdmin(FleetAdmin):
                 retiring.append(label)
             due = entry.retire_at if new[label] == 0 and old[label] == 0 else None
             when = retire_at if label in retiring else due
+            if label in retiring and self.retire_grace_s == 0:
+                continue   # removed by this very write (below)
             if entry.traffic != new[label] or entry.retire_at != when or label in starting:
                 updates.append({**entry.to_dict(), "traffic": new[label], "retire_at": when})
-        if updates:  # one write: no moment has every version at 0%, and a concurrent split gets a 409
-            await self.directory.write_entries.remote(updates, generations)
+        removed = tuple(by_label[label].name for label in retiring) if self.retire_grace_s == 0 else ()
+        if updates or removed:  # one write: no moment has every version at 0%, and a concurrent split gets a 409
+            await self.directory.write_entries.remote(updates, generations, removed)
         await self.registry.refresh()
         prewarmed = {label: outcome for label, (outcome, _) in zip(starting, warmed)}
         return {"name": name, "traffic": new, "prewarmed": prewarmed, "retired": retiring,
