@@ -32,7 +32,7 @@ GOAL_KEYS = ("name", "measured", "target", "pass")
 def base_parser(description: str, *, plot: bool = False) -> argparse.ArgumentParser:
     """The flags every benchmark shares; add benchmark-specific ones to the result."""
     parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--quick", action="store_true", help="small settings that finish in about a minute")
+    parser.add_argument("--quick", action="store_true", help="small settings: 1-3 minutes on 2 cores (the live fleet benchmarks take longer)")
     parser.add_argument("--json", metavar="PATH", help="also write the table and metadata as JSON here")
     parser.add_argument("--seed", type=int, default=0, help="seed for every random draw (default 0)")
     if plot:

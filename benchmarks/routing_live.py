@@ -209,15 +209,17 @@ def sample_replicas(call, expected: int, timeout_s: float = 60.0) -> dict[str, d
 # ---------------------------------------------------------------------------- one row
 
 
-def run_clients(clients: list, requests: list, concurrency: int) -> dict:
+def run_clients(clients: list, requests: list, concurrency: int, stream: bool = False) -> dict:
     """Split the trace round-robin over the clients (their routers) and the concurrency over them too."""
     import ray
 
     from .live.clients import shares, split
 
     parts = split(requests, len(clients))
-    results = ray.get([c.run.remote(p, s) for c, p, s in zip(clients, parts, shares(concurrency, len(clients)))])
+    results = ray.get([c.run.remote(p, s, stream)
+                       for c, p, s in zip(clients, parts, shares(concurrency, len(clients)))])
     return {"latencies": [x for r in results for x in r["latencies"]],
+            "ttfts": [x for r in results for x in r["ttfts"]],
             "replicas": [x for r in results for x in r["replicas"]],
             "errors": [x for r in results for x in r["errors"]],
             "wall_s": max(r["wall_s"] for r in results), "cpu_s": sum(r["cpu_s"] for r in results)}

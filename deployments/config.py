@@ -52,6 +52,7 @@ class AppArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     base_model: str = "demo"
+    served_model_name: Optional[str] = None  # the base model's id in /v1/models and responses (None: its name)
     revision: Optional[str] = None
     dtype: Dtype = "float32"
     device: Optional[Device] = None  # None or auto: cuda when torch.cuda.is_available()
@@ -94,6 +95,13 @@ class AppArgs(BaseModel):
     drain_timeout_s: float = Field(default=30.0, ge=0)
     warm_start_timeout_s: float = Field(default=60.0, ge=0)  # a new worker's warm-up bound (0: start cold)
     demand_window_s: float = Field(default=60.0, gt=0)  # window of the loads/s and working set the autoscaler sees
+
+    @property
+    def model_name(self) -> str:
+        """The base model's public id: ``served_model_name``, else the folder's or hub repo's last part."""
+        if self.served_model_name:
+            return self.served_model_name
+        return self.base_model.rstrip("/").rsplit("/", 1)[-1] or self.base_model
 
     def engine_config(self, replica_id: str = "local") -> EngineConfig:
         """The engine's settings: AppArgs' fields of the same names, plus the replica's id."""

@@ -27,6 +27,7 @@ from .registry import RegistryConflictError, RegistryEntry, RegistryWriteError
 
 log = logging.getLogger("ray.serve")
 KV_NAMESPACE = "lorafleet"
+PLAN_INTERVAL_S = 1.0  # how often the placement plan is revisited (its own hysteresis keeps it still)
 DEPARTED_MEMORY_S = 60.0  # how long a departed replica's adapters are offered to survivors
 
 
@@ -189,13 +190,25 @@ class AdapterDirectoryActor:
             self._registry_changes.bump()  # pin placement depends on the replica set
         return {"resync": not ok}
 
-    async def get_changes(self, since_version: int = -1, timeout_s: float = 0.0) -> dict:
-        """Long poll for routers: replica states changed after ``since_version``."""
-        await self._view_changes.wait_past(since_version, timeout_s, lambda: self.directory.version)
+    async def get_changes(self, since_version: int = -1, timeout_s: float = 0.0, plan_version: int = -1) -> dict:
+        """Long poll for routers: replica states changed after ``since_version``, and the placement
+        plan when its version is not ``plan_version`` (it changes rarely: hysteresis)."""
+        if self.directory.plan.version == plan_version:
+            await self._view_changes.wait_past(since_version, timeout_s, lambda: self.directory.version)
         version, changes = self.directory.changes_since(since_version)
+        reply = {"epoch": self.epoch, "version": version}
         if changes is None:
-            return {"epoch": self.epoch, "version": version, "full": self.directory.full_view()}
-        return {"epoch": self.epoch, "version": version, "changes": changes}
+            reply["full"] = self.directory.full_view()
+        else:
+            reply["changes"] = changes
+        if self.directory.plan.version != plan_version:
+            reply["plan"] = self.directory.plan.to_dict()
+        return reply
+
+    async def placement_plan(self) -> dict:
+        """The current placement plan (``routing.plan``) and the demand it follows."""
+        return {**self.directory.plan.to_dict(),
+                "demand": {n: round(self.directory.demand.get(n), 4) for n in self.directory.demand.names()}}
 
     async def view(self) -> dict:
         return {"version": self.directory.version, "replicas": self.directory.full_view(),
@@ -215,8 +228,9 @@ class AdapterDirectoryActor:
         return forgotten
 
     async def _expire_loop(self) -> None:
+        """Once a second: metrics, forget silent replicas, re-plan placement."""
         while True:
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(PLAN_INTERVAL_S)
             self.metrics.update(self.directory)
             self._retire_due_versions()
             held = {r: sorted(s.resident) for r, s in self.directory.replicas.items()}
@@ -225,6 +239,9 @@ class AdapterDirectoryActor:
                 self._remember_departed(expired, held)
                 self._view_changes.bump()
                 self._registry_changes.bump()
+            plan_version = self.directory.plan.version
+            if self.directory.update_plan().version != plan_version:
+                self._view_changes.bump()  # wakes every router's long poll with the new plan
 
     # ------------------------------------------------------------------ elastic fleet (warm start, scale-down)
 
@@ -246,7 +263,8 @@ class AdapterDirectoryActor:
         placements = [AdapterPlacement(name, e.replicas if e.pinned else 0,
                                        len(self.directory.holders.get(e.uid, ())))
                       for name, e in self.registry.items()]
-        plan = warm_start_plan(replica_id, list(self.directory.replicas), placements, slots, host_limit)
+        planned = self.directory.planned_for(replica_id, slots) if self.directory.plan.holders else None
+        plan = warm_start_plan(replica_id, list(self.directory.replicas), placements, slots, host_limit, planned)
         if plan.skipped_pins:
             log.warning("lorafleet directory: %s would pin %s beyond its %d slots - 1; not pinned there",
                         replica_id, list(plan.skipped_pins), slots)

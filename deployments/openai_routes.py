@@ -15,20 +15,24 @@ def openai_router(ingress) -> APIRouter:
     router = APIRouter()
     args = ingress.args
 
+    base_names = {args.model_name, args.base_model, "", "base"}
+    context: dict = {}  # the engine's context window, asked of a worker once
+
     def adapter_for_model(model: str):
-        return None if model in (args.base_model, "", "base") else model
+        return None if model in base_names else model
 
     async def respond(body, chat: bool):
-        request = to_generate_request(body, adapter_for_model(body.model), args.max_tokens_limit)
+        request = to_generate_request(body, adapter_for_model(body.model))
+        model = args.model_name if request.adapter is None else body.model
         rid = new_id("chatcmpl" if chat else "cmpl")
         if body.stream:  # errors before the first token become statuses (front_door.py)
             opened = await ingress.front.open_stream(request)
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return CompletionStream(opened.upstream, opened.first, body.model, rid, chat, include_usage,
+            return CompletionStream(opened.upstream, opened.first, model, rid, chat, include_usage,
                                     args.stream_idle_timeout_s, opened.admission.release,
                                     headers=opened.admission.headers())
         result, admission = await ingress.front.generate(request)
-        return JSONResponse(completion_body(result, body.model, rid, chat),
+        return JSONResponse(completion_body(result, model, rid, chat, body),
                             headers={"x-lorafleet-replica": result.replica_id or "", **admission.headers()})
 
     @router.post("/v1/completions")
@@ -41,12 +45,14 @@ def openai_router(ingress) -> APIRouter:
 
     @router.get("/v1/models")
     async def models():  # the ingress's own copy of the registry (followed by long poll): no directory call
-        data = [{"id": args.base_model, "object": "model", "created": 0, "owned_by": "lorafleet",
-                 "root": args.base_model, "parent": None}]
+        if "max_model_len" not in context:
+            context["max_model_len"] = (await ingress.worker.model_info.remote())["max_model_len"]
+        data = [{"id": args.model_name, "object": "model", "created": 0, "owned_by": "lorafleet",
+                 "root": args.base_model, "parent": None, "max_model_len": context["max_model_len"]}]
         for name, family in sorted(families(ingress.registry.entries.values()).items()):
             # one model per requested name (versions are the admin API's business, as are sources)
             data.append({"id": name, "object": "model", "created": int(family[0].created), "owned_by": "lorafleet",
-                         "root": name, "parent": args.base_model})
+                         "root": name, "parent": args.model_name, "max_model_len": context["max_model_len"]})
         return {"object": "list", "data": data}
 
     @router.get("/health")

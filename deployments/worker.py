@@ -25,6 +25,7 @@ from engine.request import GenerateRequest, GenerateResult, ReplicaTarget, Token
 from pool.errors import AdapterNotFoundError, LoRAFleetError
 from pool.events import PoolEvent
 from routing.autoscale import DemandWindow, working_set_sketch
+from routing.directory import ReplicaState
 from routing.load_timings import LoadTimings
 from routing.pins import pin_holders
 from routing.ray_router import check_router_kwargs
@@ -95,6 +96,7 @@ class LoRAWorker:
         self.demand = DemandWindow(self.args.demand_window_s)
         self.demand.observe_loads(0, time.monotonic())  # warm-up loads count too
         self.warm_start: dict = {}
+        self._busy_s: Counter = Counter()  # adapter -> request-seconds since the last heartbeat
         self._loads_after_ready: Counter = Counter()  # uid -> slot loads since warm-up ended (benchmarks.elastic)
         self.engine.subscribe_pool_events(self._count_load)
         self._left = False
@@ -145,19 +147,36 @@ class LoRAWorker:
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         self._count_demand(request.adapter)
-        await self._ensure_adapter(request.adapter)
-        result = await self.engine.generate(request)
+        started = time.monotonic()
+        try:
+            await self._ensure_adapter(request.adapter)
+            result = await self.engine.generate(request)
+        finally:
+            self._count_busy(request.adapter, started)
         result.replica_id = self.replica_id
         return result
 
     async def generate_stream(self, request: GenerateRequest) -> AsyncIterator[TokenDelta | GenerateResult]:
         """Deltas as produced, then the ``GenerateResult`` (usage, finish reason)."""
         self._count_demand(request.adapter)
-        await self._ensure_adapter(request.adapter)
-        async for item in self.engine.generate_stream(request, with_result=True):
-            if isinstance(item, GenerateResult):
-                item.replica_id = self.replica_id
-            yield item
+        started = time.monotonic()
+        try:
+            await self._ensure_adapter(request.adapter)
+            async for item in self.engine.generate_stream(request, with_result=True):
+                if isinstance(item, GenerateResult):
+                    item.replica_id = self.replica_id
+                yield item
+        finally:
+            self._count_busy(request.adapter, started)
+
+    def _count_busy(self, name: Optional[str], started: float) -> None:
+        """Request-seconds per adapter since the last heartbeat: the demand the directory plans by."""
+        if name is not None:
+            self._busy_s[name] += time.monotonic() - started
+
+    def model_info(self) -> dict:
+        """What the OpenAI routes say of the base model (its context window, as the KV cache fits it)."""
+        return {"max_model_len": self.engine.max_model_len}
 
     def _count_load(self, event: PoolEvent) -> None:
         """On the engine thread: count slot loads once the replica is ready (cheap, no lock needed)."""
@@ -252,12 +271,7 @@ class LoRAWorker:
         """What routers reconcile their view with every ``request_routing_stats_period_s``."""
         snap = self.engine.pool_snapshot()
         self.load_timings.observe_pool(snap.counters.loads, snap.counters.load_seconds)
-        return {
-            "seq": snap.seq, "slots": snap.slots, "resident": dict(snap.resident), "pinned": sorted(snap.pinned),
-            "free_slots": snap.free_slots, "host_cached": self.engine.host_cached_uids(),
-            "loading": sorted(self.loading), "queue_len": self.engine.queue_len(),
-            "load_s": self.load_timings.report(),  # measured host-copy / disk-read seconds (routers price loads)
-        }
+        return ReplicaState.from_snapshot(snap, **self._state_extras()).to_dict()
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom autoscaling metrics (deployments/autoscaling.py reads them): slots, pinned slots,
@@ -296,11 +310,18 @@ class LoRAWorker:
 
     # ------------------------------------------------------------------ background
 
+    def _state_extras(self) -> dict:
+        """What a replica's state holds beside its pool snapshot (``routing.directory.ReplicaState``)."""
+        return {"queue_len": self.engine.queue_len(), "host_cached": self.engine.host_cached_uids(),
+                "loading": sorted(self.loading), "rows": self.args.max_batch_size,
+                "base_resident": self.engine.pool_snapshot().base_slot is not None,
+                "load_s": self.load_timings.report()}  # measured host-copy / disk-read seconds (routers price loads)
+
     def _heartbeat(self) -> dict:
         counters = self.engine.pool_snapshot().counters
         self.load_timings.observe_pool(counters.loads, counters.load_seconds)
-        return {"queue_len": self.engine.queue_len(), "host_cached": self.engine.host_cached_uids(),
-                "loading": sorted(self.loading), "load_s": self.load_timings.report()}
+        busy, self._busy_s = self._busy_s, Counter()
+        return {**self._state_extras(), "busy_s": {name: round(s, 4) for name, s in busy.items()}}
 
     async def _report_loop(self) -> None:
         """Events every FLUSH_INTERVAL_S when there are any; heartbeat and metrics once a second.

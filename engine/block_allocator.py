@@ -81,6 +81,12 @@ class BlockAllocator:
                 else:
                     self._free.append(block)
 
+    def share(self, block: int) -> None:
+        """One more holder of a held ``block`` (a forked sample reading its parent's prompt)."""
+        if self._refs[block] <= 0:
+            raise KVCacheFullError(f"block {block} is shared but nobody holds it")
+        self._refs[block] += 1
+
     def peek(self, digest: bytes) -> Optional[int]:
         """The cached block with this digest, taking nothing."""
         return self._block_of.get(digest) if self.prefix_caching else None

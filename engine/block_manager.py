@@ -88,7 +88,7 @@ class BlockManager:
 
     def _prefix_digests(self, seq: Sequence) -> list[bytes]:
         """Digests of the full blocks a cached prefix may cover: never the last token, whose logits are needed."""
-        if not self.allocator.prefix_caching:
+        if not self.allocator.prefix_caching or getattr(seq, "prompt_logprobs", None) is not None:  # echo scores every prompt token
             return []
         n = (seq.num_tokens - 1) // self.block_size
         return self._digests(seq, n)[:n]

@@ -74,8 +74,14 @@ class IncrementalDetokenizer:
         self._ids: list[int] = []
         self._pending = 0           # tokens fed whose text the decoder has not produced yet
         self._emitted: list[str] = []
+        self._emitted_chars = 0
         self._held = ""             # decoded, not streamed: a possible start of a stop string
         self._stopped = False
+
+    @property
+    def num_chars(self) -> int:
+        """len(self.text), without joining it."""
+        return self._emitted_chars + len(self._held)
 
     @property
     def text(self) -> str:
@@ -127,5 +133,6 @@ class IncrementalDetokenizer:
     def _emit(self, out: str, held: str) -> str:
         if out:
             self._emitted.append(out)
+            self._emitted_chars += len(out)
         self._held = held
         return out

@@ -33,9 +33,12 @@ from .live_settings import apply_live_settings
 from .lora_layers import LoRABatchContext, attach_lora
 from .model_loader import load_base_model
 from .model_runner import ModelRunner, SeqInput
+from .grammar import GrammarCompiler
+from .logprobs import TokenTexts, prompt_logprobs, step_logprobs
 from .output_processor import append_token, eos_token_ids, next_tokens
 from .request import GenerateRequest, GenerateResult, TokenDelta
 from .read_api import EngineReadAPI
+from .sample_group import SampleGroup, child_of, fork_ready, share_prompt_blocks
 from .scheduler import Scheduler
 from .sequence import Sequence, SinkItem
 
@@ -77,6 +80,10 @@ class LoRAEngine(EngineReadAPI):
             config.max_batch_size, config.max_bypass_steps, blocks=self.blocks)
         self.eos_ids = eos_token_ids(tokenizer, model)
         self.tokens_generated = 0
+        self.prompt_tokens_computed = 0  # prompt tokens fed to forwards (an n > 1 prompt counts once)
+        self.token_texts = TokenTexts(tokenizer)
+        self._grammar: Optional[GrammarCompiler] = None  # built at the first response_format request
+        self._grammar_lock = threading.Lock()
         self.steps = 0
         self.cancelled = 0            # sequences dropped because their caller went away
         self.max_steps_after_cancel = 0  # the most steps any sequence ran after its cancel (the goal: <= 1)
@@ -132,12 +139,35 @@ class LoRAEngine(EngineReadAPI):
 
     # ------------------------------------------------------------------ requests
 
-    def submit(self, request: GenerateRequest, sink: Callable[[SinkItem], None]) -> Sequence:
-        uid, ids = self.inputs.process(request)
-        if uid is not None and not self.pool.is_resident(uid):
-            self.staging.stage(uid)  # a file read, if the host tier dropped it: here, never on the engine thread
+    @property
+    def grammar(self) -> GrammarCompiler:
+        with self._grammar_lock:
+            if self._grammar is None:
+                self._grammar = GrammarCompiler(self.tokenizer, self.model.config.vocab_size)
+            return self._grammar
+
+    def _sequence(self, request: GenerateRequest, uid: Optional[str], ids: list[int], sink) -> Sequence:
         seq = Sequence(request, uid, ids, IncrementalDetokenizer(self.tokenizer, request.stop_strings), sink,
                        self.device)
+        if request.response_format is not None:
+            grammar = self.grammar.compile(request.response_format)  # cached: compiled at submission
+            seq.matcher = None if grammar is None else self.grammar.matcher(grammar)
+        return seq
+
+    def submit(self, request: GenerateRequest, sink: Callable[[SinkItem], None]) -> Sequence:
+        uid, ids = self.inputs.process(request)
+        group = None
+        if request.n > 1:
+            group = SampleGroup(request.n, sink, self.cancel)
+            sink = group.sink_for(0)
+        seq = self._sequence(request, uid, ids, sink)
+        if seq.prompt_logprobs is not None:
+            seq.prompt_text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        if group is not None:
+            seq.group = group
+            group.members.append(seq)
+        if uid is not None and not self.pool.is_resident(uid):
+            self.staging.stage(uid)  # a file read, if the host tier dropped it: here, never on the engine thread
         with self._lock:
             if self._stopped:
                 raise EngineShutdownError("the engine is shutting down")
@@ -154,6 +184,12 @@ class LoRAEngine(EngineReadAPI):
     def cancel(self, seq: Sequence) -> None:
         """Drop ``seq``: a waiting one never runs; a running one frees its KV blocks and slot at the next step."""
         error = RequestCancelledError(f"request {seq.request.request_id} was cancelled by its caller")
+        if seq.group is not None and seq.choice_index == 0:  # the caller holds the first sample: cancel all
+            for member in list(seq.group.members[1:]):
+                self._cancel_one(member, error)
+        self._cancel_one(seq, error)
+
+    def _cancel_one(self, seq: Sequence, error: BaseException) -> None:
         with self._lock:
             if seq.cancel_reason is not None:
                 return
@@ -236,22 +272,55 @@ class LoRAEngine(EngineReadAPI):
             inputs.append(SeqInput(seq.block_table, ids, start, slots[seq.uid]))
         logits = self.runner.forward(inputs)
         self.steps += 1
+        self.prompt_tokens_computed += sum(max(0, min(len(s.prompt_ids), x.start_pos + len(x.token_ids)) - x.start_pos)
+                                           for s, x in zip(running, inputs))
+        self._score_prompts(running, inputs)
         for seq in running:
             self.blocks.commit(seq, seq.num_tokens)
+        running, logits = fork_ready(running, logits, self._fork)
         finished: list[tuple[Sequence, object]] = []
-        for seq, token in zip(running, next_tokens(logits, running)):
+        tokens = next_tokens(logits, running, self.eos_ids, self._grammar)
+        scored = step_logprobs(logits, [s.request.logprobs for s in running], tokens, self.token_texts)
+        for seq, token, logprob in zip(running, tokens, scored):
+            if token is None:  # a prompt scored, no token asked for
+                finished.append((seq, "length"))
+                continue
             if isinstance(token, Exception):  # this sequence's sampling failed: it alone fails
                 finished.append((seq, token))
                 continue
-            reason = append_token(seq, token, self.eos_ids)
+            reason = append_token(seq, token, self.eos_ids, logprob)
             if reason:
                 finished.append((seq, reason))
-        self.tokens_generated += len(running)
+        self.tokens_generated += sum(1 for t in tokens if isinstance(t, int))
         if finished:
             with self._lock:
                 for seq, outcome in finished:
                     self._finish(seq, outcome if isinstance(outcome, Exception) else seq.result(outcome))
             self.pool.retain_batch(self.scheduler.running_uids())
+
+    def _score_prompts(self, running: list[Sequence], inputs: list[SeqInput]) -> None:
+        """Echo: the prompt tokens this forward fed are scored from its all-token logits (once each)."""
+        for i, (seq, x) in enumerate(zip(running, inputs)):
+            scored = seq.prompt_logprobs
+            if scored is None or len(scored) >= len(seq.prompt_ids) or x.start_pos > max(0, len(scored) - 1):
+                continue
+            token_logits = self.runner.token_logits(i)
+            skip = max(0, len(scored) - 1 - x.start_pos)  # positions already scored before a preemption
+            scored += prompt_logprobs(token_logits[skip:], seq.prompt_ids, x.start_pos + skip,
+                                      seq.request.prompt_logprobs, self.token_texts)
+
+    def _fork(self, parent: Sequence, index: int) -> Optional[Sequence]:
+        """Sample ``index`` of ``parent``'s request: in this step's batch with shared prompt blocks when
+        there is room, else queued as a plain sequence (None)."""
+        child = child_of(parent, index, self._sequence)
+        with self._lock:
+            self.registry.acquire(child.request.adapter, child.uid)
+            room = len(self.scheduler.running) < self.config.max_batch_size
+            if room and share_prompt_blocks(parent, child, self.cache):
+                self.scheduler.add_running(child)
+                return child
+            self.scheduler.add(child)
+            return None
 
     def _prepare_slots(self, admitted: list[Sequence]) -> Optional[dict]:
         """Slots for this step's adapters; newly admitted requests whose adapter fails to load are failed alone."""

@@ -12,6 +12,7 @@ from .adapter_registry import AdapterRegistry
 from .config import EngineConfig
 from .errors import InvalidRequestError
 from .request import GenerateRequest
+from .request_checks import check_output_params
 
 
 class InputProcessor:
@@ -25,10 +26,11 @@ class InputProcessor:
 
     def process(self, request: GenerateRequest) -> tuple[Optional[str], list[int]]:
         """(uid, prompt ids) for ``request``; the uid is None for the base model."""
-        if not isinstance(request.max_tokens, int) or request.max_tokens <= 0:
+        if request.max_tokens is not None and (not isinstance(request.max_tokens, int) or request.max_tokens < 0):
             raise InvalidRequestError("max_tokens",
                                       f"max_tokens must be a positive integer, got {request.max_tokens!r}")
-        if request.max_tokens > self.config.max_tokens_limit:
+        check_output_params(request, self.vocab_size)
+        if request.max_tokens is not None and request.max_tokens > self.config.max_tokens_limit:
             raise InvalidRequestError("max_tokens", f"max_tokens {request.max_tokens} exceeds this server's limit "
                                                     f"{self.config.max_tokens_limit}")
         if request.temperature < 0:
@@ -37,6 +39,11 @@ class InputProcessor:
             raise InvalidRequestError("top_p", f"top_p must be in (0, 1], got {request.top_p}")
         uid = self.registry.resolve(request.adapter)
         ids = self.prompt_ids(request)
+        if request.max_tokens is None:  # what the context leaves, capped (the request is the engine's to fill in)
+            request.max_tokens = min(self.config.max_tokens_limit, self.max_model_len - len(ids))
+            if request.max_tokens <= 0:
+                raise InvalidRequestError("messages" if request.messages is not None else "prompt", f"the prompt ({len(ids)} tokens) leaves no room in the "
+                                                      f"context window of {self.max_model_len} tokens")
         if len(ids) + request.max_tokens > self.max_model_len:
             raise InvalidRequestError(
                 "max_tokens", f"prompt ({len(ids)} tokens) + max_tokens ({request.max_tokens}) exceeds the context "

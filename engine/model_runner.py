@@ -80,6 +80,7 @@ class ModelRunner:
             hidden = self._decoder_forward(input_ids, layout)
         finally:
             self.context.set_segments([])
+        self._last_step = (hidden, starts, order, [len(s.token_ids) for s in ordered])  # for token_logits
         if all_logits:
             logits = self.model.lm_head(hidden)
             pieces = [logits[starts[j]:starts[j] + len(s.token_ids)] for j, s in enumerate(ordered)]
@@ -92,6 +93,13 @@ class ModelRunner:
         inverse = torch.empty(len(order), dtype=torch.long, device=self.device)
         inverse[torch.tensor(order, device=self.device)] = torch.arange(len(order), device=self.device)
         return logits.index_select(0, inverse)
+
+    @torch.inference_mode()
+    def token_logits(self, index: int) -> torch.Tensor:
+        """Logits of every token request ``index`` (its place in the last ``forward``'s input) fed then."""
+        hidden, starts, order, lengths = self._last_step
+        j = order.index(index)
+        return self.model.lm_head(hidden[starts[j]:starts[j] + lengths[j]])
 
     def _segments(self, ordered: list[SeqInput], starts: list[int]) -> list[LoRASegment]:
         segments: list[LoRASegment] = []

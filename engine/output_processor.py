@@ -6,7 +6,8 @@ from typing import Optional, Union
 
 import torch
 
-from .request import TokenDelta
+from .penalties import apply_penalties, has_penalties, mask_tokens
+from .request import TokenDelta, TokenLogprob
 from .sampling import is_greedy, sample_next_token
 from .sequence import Sequence
 
@@ -22,18 +23,53 @@ def eos_token_ids(tokenizer, model) -> set[int]:
     return ids
 
 
-def next_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> list[Union[int, Exception]]:
+def ending_tokens(seq: Sequence, eos_ids: set[int]) -> set[int]:
+    """Tokens that end ``seq``: EOS (unless ``ignore_eos``) and its request's ``stop_token_ids``."""
+    request = seq.request
+    if not request.stop_token_ids:
+        return set() if request.ignore_eos else eos_ids
+    ends = set(request.stop_token_ids)
+    return ends if request.ignore_eos else ends | eos_ids
+
+
+def process_logits(logits: torch.Tensor, seqs: list[Sequence], eos_ids: set[int], grammar=None) -> torch.Tensor:
+    """The logits sampling sees: penalties, min_tokens' mask and grammars applied to the rows that use them
+    (a copy when any does; ``logits`` itself stays raw for log-probabilities)."""
+    penalised = [i for i, s in enumerate(seqs) if has_penalties(s.request)]
+    # a finished response_format may only end: min_tokens does not hold its end back
+    held = [i for i, s in enumerate(seqs) if len(s.output_ids) < s.request.min_tokens
+            and (s.matcher is None or not s.matcher.is_completed())]
+    constrained = [i for i, s in enumerate(seqs) if s.matcher is not None]
+    if not (penalised or held or constrained):
+        return logits
+    logits = logits.clone()
+    if penalised:
+        apply_penalties(logits, penalised, [seqs[i].request for i in penalised],
+                        [seqs[i].prompt_ids for i in penalised], [seqs[i].output_ids for i in penalised])
+    if held:
+        mask_tokens(logits, held, [ending_tokens(seqs[i], eos_ids) for i in held])
+    if constrained:
+        grammar.apply(logits, constrained, [seqs[i].matcher for i in constrained])
+    return logits
+
+
+def next_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_ids: set[int] = frozenset(),
+                grammar=None) -> list[Union[int, None, Exception]]:
     """Row ``i`` of ``logits`` picks ``seqs[i]``'s token: greedy ones share one device sync.
 
     A row that cannot give a token (non-finite logits, a sampling error) yields its error
-    instead, so one sequence's failure never fails the others in the batch.
+    instead, so one sequence's failure never fails the others in the batch. A request for
+    no token at all (``max_tokens`` 0, echo scoring a prompt) yields None.
     """
-    greedy = logits.argmax(dim=-1).tolist()
     finite = torch.isfinite(logits).all(dim=-1).tolist()
-    tokens: list[Union[int, Exception]] = []
+    logits = process_logits(logits, seqs, eos_ids, grammar)
+    greedy = logits.argmax(dim=-1).tolist()
+    tokens: list[Union[int, None, Exception]] = []
     for i, seq in enumerate(seqs):
         request = seq.request
-        if not finite[i]:
+        if request.max_tokens == 0:
+            tokens.append(None)
+        elif not finite[i]:
             tokens.append(FloatingPointError(f"request {request.request_id}: the model produced non-finite logits"))
         elif is_greedy(request.temperature):
             tokens.append(greedy[i])
@@ -45,15 +81,21 @@ def next_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> list[Union[int, E
     return tokens
 
 
-def append_token(seq: Sequence, token: int, eos_ids: set[int]) -> Optional[str]:
+def append_token(seq: Sequence, token: int, eos_ids: set[int], logprob: Optional[TokenLogprob] = None
+                 ) -> Optional[str]:
     """Add ``token`` to ``seq`` and send its delta; returns "stop" or "length" when ``seq`` is done."""
     seq.output_ids.append(token)
-    if token in eos_ids:
+    if seq.logprobs is not None and logprob is not None:
+        logprob.text_offset = seq.detokenizer.num_chars
+        seq.logprobs.append(logprob)
+    if seq.matcher is not None and not seq.matcher.is_terminated():
+        seq.matcher.accept_token(token)
+    if token in ending_tokens(seq, eos_ids) or (seq.matcher is not None and seq.matcher.is_terminated()):
         text, stopped = seq.detokenizer.finish(), True
     else:
         text, stopped = seq.detokenizer.add(seq.output_ids)
     reason = "stop" if stopped else ("length" if len(seq.output_ids) >= seq.request.max_tokens else None)
     if reason == "length":
         text += seq.detokenizer.finish()
-    seq.sink(TokenDelta(seq.request.request_id, token, text, reason))
+    seq.sink(TokenDelta(seq.request.request_id, token, text, reason, seq.choice_index, logprob))
     return reason

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Union
 
 ChatMessage = dict  # {"role": ..., "content": ...}
+MAX_LOGPROBS = 20  # top log-probabilities per token at most (as OpenAI's top_logprobs)
 
 
 @dataclass
@@ -19,12 +20,22 @@ class GenerateRequest:
     prompt: Optional[str] = None
     token_ids: Optional[list[int]] = None
     messages: Optional[list[ChatMessage]] = None
-    max_tokens: int = 16
+    max_tokens: Optional[int] = 16  # None: what the context window leaves, capped by max_tokens_limit
     temperature: float = 0.0
     top_p: float = 1.0
-    seed: Optional[int] = None
+    seed: Optional[int] = None  # choice i of n samples with seed + i
     stop: Union[str, list[str], None] = None
     stream: bool = False
+    n: int = 1                                  # parallel samples of one prompt (prefilled once)
+    logprobs: Optional[int] = None              # None: none; k: the chosen token's and the top k (0..20)
+    prompt_logprobs: Optional[int] = None       # the same for each prompt token (echo); allows max_tokens 0
+    presence_penalty: float = 0.0               # -2..2, subtracted once from every generated token's logit
+    frequency_penalty: float = 0.0              # -2..2, subtracted per occurrence in the output
+    repetition_penalty: float = 1.0             # > 0; prompt and output tokens' logits divided (or multiplied)
+    min_tokens: int = 0                         # EOS and stop_token_ids masked until this many tokens
+    stop_token_ids: Optional[list[int]] = None  # more tokens that end the sequence, as EOS does
+    ignore_eos: bool = False                    # EOS does not end the sequence (max_tokens does)
+    response_format: Optional[dict] = None      # {"type": "json_object"} or {"type": "json_schema", ...}
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
 
     @property
@@ -42,6 +53,18 @@ class ReplicaTarget:
 
 
 @dataclass
+class TokenLogprob:
+    """A token's log-probability under the model (after the adapter, before temperature and penalties),
+    with the ``top`` most likely tokens at that position as (token id, text, log-probability)."""
+
+    token_id: int
+    token: str
+    logprob: Optional[float]  # None for the first prompt token (nothing predicts it)
+    top: list[tuple[int, str, float]] = field(default_factory=list)
+    text_offset: Optional[int] = None  # where its text starts in the choice's text (generated tokens)
+
+
+@dataclass
 class TokenDelta:
     """One streamed step: new text (stop strings held back until they cannot match)."""
 
@@ -49,6 +72,19 @@ class TokenDelta:
     token_id: int
     text: str
     finish_reason: Optional[str] = None  # "length" | "stop" | None while running
+    index: int = 0                        # which of the request's n choices
+    logprob: Optional[TokenLogprob] = None
+
+
+@dataclass
+class Choice:
+    """One of a request's n samples."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    logprobs: Optional[list[TokenLogprob]] = None
 
 
 @dataclass
@@ -61,6 +97,10 @@ class GenerateResult:
     prompt_tokens: int
     completion_tokens: int
     replica_id: Optional[str] = None  # set by the worker that served it
+    logprobs: Optional[list[TokenLogprob]] = None         # choice 0's, when asked
+    prompt_logprobs: Optional[list[TokenLogprob]] = None  # when asked (echo)
+    prompt_text: Optional[str] = None                     # the prompt decoded, with prompt_logprobs
+    choices: list[Choice] = field(default_factory=list)   # all n; text/token_ids/finish_reason are choice 0's
 
     @property
     def usage(self) -> dict:

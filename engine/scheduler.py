@@ -63,6 +63,11 @@ class Scheduler(Generic[S]):
         self._arrival[id(seq)] = next(self._arrivals)
         self.waiting.append(seq)
 
+    def add_running(self, seq: S) -> None:
+        """A sequence that already holds its blocks joins the running batch (a forked sample, engine.sample_group)."""
+        self._arrival[id(seq)] = next(self._arrivals)
+        self.running.append(seq)
+
     def _order(self, seq: S) -> int:
         return self._arrival[id(seq)]
 

@@ -7,7 +7,7 @@ from typing import Callable, Optional, Union
 import torch
 
 from .detokenizer import IncrementalDetokenizer
-from .request import GenerateRequest, GenerateResult, TokenDelta
+from .request import GenerateRequest, GenerateResult, TokenDelta, TokenLogprob
 
 SinkItem = Union[TokenDelta, GenerateResult, BaseException]
 
@@ -32,6 +32,14 @@ class Sequence:
             # sampling runs on the logits' device, so the generator lives there too
             self.generator = torch.Generator(device=device)
             self.generator.manual_seed(request.seed if request.seed is not None else torch.seed())
+        # per-request output features (engine.sample_group, engine.logprobs, engine.grammar)
+        self.group = None                      # the SampleGroup of an n > 1 request
+        self.choice_index = 0
+        self.forked = False                    # its n - 1 siblings were made (once, after its prefill)
+        self.logprobs: Optional[list[TokenLogprob]] = [] if request.logprobs is not None else None
+        self.prompt_logprobs: Optional[list[TokenLogprob]] = [] if request.prompt_logprobs is not None else None
+        self.prompt_text: Optional[str] = None  # set with prompt_logprobs (echo)
+        self.matcher = None                    # the grammar matcher of a response_format request
 
     @property
     def num_tokens(self) -> int:
@@ -63,4 +71,7 @@ class Sequence:
             finish_reason=finish_reason,
             prompt_tokens=len(self.prompt_ids),
             completion_tokens=len(self.output_ids),
+            logprobs=self.logprobs,
+            prompt_logprobs=self.prompt_logprobs,
+            prompt_text=self.prompt_text,
         )

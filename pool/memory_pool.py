@@ -48,7 +48,7 @@ EventListener = Callable[[PoolEvent], None]
 
 
 def batch_order(uids: Iterable[Uid]) -> list[Uid]:
-    """Deterministic order (``None`` first, then sorted) so every TP rank assigns the same slots."""
+    """Deterministic order (``None`` first, then sorted) so the same batch always gets the same slots."""
     uids = set(uids)
     return ([None] if None in uids else []) + sorted(u for u in uids if u is not None)
 

@@ -1,20 +1,37 @@
-"""AdapterDirectory: the fleet's global view, rebuilt from the replicas' own reports.
+"""AdapterDirectory: the fleet's global view, rebuilt from the replicas' own reports, and its plan.
 
 Soft state, no Ray inside: replica -> resident / loading / pinned / host-cached adapters,
 free slots and queue; adapter uid -> replicas holding it. Events are applied in order per
 replica and idempotently (an old ``seq`` is ignored); a gap marks the replica for a
 snapshot resync. Routers pull versioned deltas at replica granularity: "these replicas
 changed since version v" with their current state, which is small and idempotent.
+
+The directory is also where placement is decided (``routing.plan``): the workers report the
+request-seconds each adapter kept them busy, the directory turns that into fleet-wide demand
+and, every ``update_plan``, into the placement plan every router routes within.
+
+``ReplicaState`` is the one typed replica state: ``ReplicaState.from_snapshot`` builds it from
+a pool snapshot plus the heartbeat's extras, for the directory and the workers' routing stats
+alike, and the view reads its ``to_dict`` form. One definition of a free slot, the pool's: a
+slot that holds nothing (the base model's slot, once it has run, is used: the pool evicts
+every idle adapter before it).
 """
 
 from __future__ import annotations
 
+import copy
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterable, Mapping, Optional, Union
 
 from pool.events import PoolEvent, PoolSnapshot
+
+from .identity import name_of
+from .plan import FleetPlanner, PlacementPlan, PlanConfig, ReplicaSlots
+from .router_state import DemandRates
+
+DEMAND_TAU_S = 10.0  # the fleet demand the plan follows: request-seconds per second, decayed over this
 
 
 @dataclass
@@ -28,13 +45,50 @@ class ReplicaState:
     host_cached: set[str] = field(default_factory=set)
     queue_len: int = 0
     load_s: dict = field(default_factory=dict)  # measured {"host": s, "disk": s} load times (routers price loads)
+    base_resident: bool = False  # the base model's slot is in use (the pool evicts it last)
+    rows: int = 0                # requests the replica runs at once (its max batch)
     needs_resync: bool = False
     last_report: float = 0.0
     removed: bool = False
 
     @property
     def free_slots(self) -> int:
-        return max(0, self.slots - len(self.resident))
+        return max(0, self.slots - len(self.resident) - int(self.base_resident))
+
+    @classmethod
+    def from_snapshot(cls, snapshot: Union[PoolSnapshot, Mapping], **extras) -> "ReplicaState":
+        """A replica's state from its own pool snapshot plus heartbeat extras (``queue_len``,
+        ``host_cached``, ``loading``, ``load_s``, ``rows``): what the directory stores on a resync and
+        what the worker's routing stats report, so both say the same thing."""
+        snap = snapshot if isinstance(snapshot, Mapping) else snapshot.to_dict()
+        state = cls(snap["replica_id"], seq=snap["seq"], slots=snap["slots"], resident=dict(snap["resident"]),
+                    pinned=set(snap["pinned"]), base_resident=snap.get("base_slot") is not None)
+        state.set_extras(**{k: v for k, v in extras.items() if k in _EXTRAS})
+        return state
+
+    def set_extras(self, queue_len=None, host_cached=None, loading=None, load_s=None, rows=None,
+                   base_resident=None) -> bool:
+        """The heartbeat's parts of the state; whether anything routers price changed (the queue
+        length is stored, not counted: routers take it from Serve's own cache)."""
+        before = (self.host_cached, self.loading, self.load_s, self.rows, self.base_resident)
+        if queue_len is not None:
+            self.queue_len = queue_len
+        if host_cached is not None:
+            self.host_cached = set(host_cached)
+        if loading is not None:
+            self.loading = set(loading)
+        if load_s is not None:
+            self.load_s = dict(load_s)
+        if rows is not None:
+            self.rows = int(rows)
+        if base_resident is not None:
+            self.base_resident = bool(base_resident)
+        return before != (self.host_cached, self.loading, self.load_s, self.rows, self.base_resident)
+
+    def slots_for_plan(self) -> ReplicaSlots:
+        return ReplicaSlots(self.replica_id, self.slots, self.rows, resident=frozenset(map(name_of, self.resident)),
+                            pinned=frozenset(map(name_of, self.pinned)),
+                            warm=frozenset(map(name_of, (*self.host_cached, *self.loading))))
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -50,11 +104,13 @@ class ReplicaState:
             resident=dict(d.get("resident", {})), pinned=set(d.get("pinned", ())),
             loading=set(d.get("loading", ())), host_cached=set(d.get("host_cached", ())),
             queue_len=d.get("queue_len", 0), load_s=dict(d.get("load_s") or {}),
+            base_resident=d.get("base_resident", False), rows=d.get("rows", 0),
             needs_resync=d.get("needs_resync", False),
             last_report=d.get("last_report", 0.0), removed=d.get("removed", False),
         )
 
 
+_EXTRAS = ("queue_len", "host_cached", "loading", "load_s", "rows", "base_resident")
 EventLike = Union[PoolEvent, Mapping]
 
 
@@ -64,7 +120,7 @@ def _event(e: EventLike) -> PoolEvent:
 
 class AdapterDirectory:
     def __init__(self, *, replica_timeout_s: float = 15.0, max_log: int = 100_000,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, plan_config: PlanConfig = PlanConfig()):
         self.replicas: dict[str, ReplicaState] = {}
         self.holders: dict[str, set[str]] = {}  # uid -> replica ids
         self.adapter_counts: dict[str, dict[str, int]] = {}  # uid -> {"load": n, "evict": n}
@@ -73,6 +129,8 @@ class AdapterDirectory:
         self.replica_timeout_s = replica_timeout_s
         self._log: deque[tuple[int, str]] = deque(maxlen=max_log)
         self._clock = clock
+        self.demand = DemandRates(DEMAND_TAU_S, clock)  # adapter name -> request-seconds per second, fleet-wide
+        self.planner = FleetPlanner(plan_config)
 
     # ------------------------------------------------------------------ updates
 
@@ -96,40 +154,58 @@ class AdapterDirectory:
             self._bump(replica_id)
         return not state.needs_resync
 
-    def apply_snapshot(self, snapshot: Union[PoolSnapshot, Mapping], *, queue_len: Optional[int] = None,
-                       host_cached: Optional[Iterable[str]] = None, loading: Optional[Iterable[str]] = None,
-                       load_s: Optional[Mapping] = None) -> None:
+    def apply_snapshot(self, snapshot: Union[PoolSnapshot, Mapping], **extras) -> None:
         """Replace a replica's state with its own full report (resync, or first contact)."""
-        snap = snapshot if isinstance(snapshot, Mapping) else snapshot.to_dict()
-        state = self._state(snap["replica_id"], first_seq=None)
-        if snap["seq"] < state.seq and not state.needs_resync:
+        fresh = ReplicaState.from_snapshot(snapshot, **extras)
+        state = self._state(fresh.replica_id, first_seq=None)
+        if fresh.seq < state.seq and not state.needs_resync:
             return  # older than what events already told us
         for uid in list(state.resident):
             self._unindex(uid, state.replica_id)
-        state.resident = dict(snap["resident"])
-        for uid in state.resident:
+        for uid in fresh.resident:
             self.holders.setdefault(uid, set()).add(state.replica_id)
-        state.pinned = set(snap["pinned"])
-        state.slots = snap["slots"]
-        state.seq = snap["seq"]
+        state.resident, state.pinned, state.slots, state.seq = fresh.resident, fresh.pinned, fresh.slots, fresh.seq
+        state.base_resident = fresh.base_resident
         state.needs_resync = False
-        self._set_extras(state, queue_len, host_cached, loading, load_s)
+        state.set_extras(**{k: v for k, v in extras.items() if k in _EXTRAS})
         state.last_report = self._clock()
         self._bump(state.replica_id)
 
-    def heartbeat(self, replica_id: str, *, queue_len: Optional[int] = None,
-                  host_cached: Optional[Iterable[str]] = None, loading: Optional[Iterable[str]] = None,
-                  load_s: Optional[Mapping] = None) -> bool:
-        """Liveness plus the parts of a replica's state that are not pool events.
+    def heartbeat(self, replica_id: str, busy_s: Optional[Mapping[str, float]] = None, **extras) -> bool:
+        """Liveness plus the parts of a replica's state that are not pool events, and the
+        request-seconds each adapter kept it busy since its last heartbeat (``busy_s``: the demand).
 
         A queue length alone does not make a new version: routers take queue lengths from
         Serve's own cache, and waking every router's long poll once a second per replica for
         a number they do not use would cost each of them a round trip."""
         state = self._state(replica_id, first_seq=None)
         state.last_report = self._clock()
-        if self._set_extras(state, queue_len, host_cached, loading, load_s):
+        for name, seconds in (busy_s or {}).items():
+            self.demand.add(name, seconds)
+        if state.set_extras(**{k: v for k, v in extras.items() if k in _EXTRAS}):
             self._bump(replica_id)
         return not state.needs_resync
+
+    def update_plan(self) -> PlacementPlan:
+        """Re-plan from the current demand and replica states (a new version only when it changed)."""
+        self.demand.prune()
+        demand = {name: self.demand.get(name) for name in self.demand.names()}
+        return self.planner.update(self._clock(), demand, [s.slots_for_plan() for s in self.replicas.values()])
+
+    @property
+    def plan(self) -> PlacementPlan:
+        return self.planner.plan
+
+    def planned_for(self, replica_id: str, slots: int, rows: int = 0) -> list[str]:
+        """What the plan would place on ``replica_id`` if it joined now, neediest first (warm start):
+        a trial re-plan on a copy of the planner, so the real plan and its timers do not move."""
+        trial = copy.deepcopy(self.planner)
+        replicas = [s.slots_for_plan() for r, s in self.replicas.items() if r != replica_id]
+        replicas.append(ReplicaSlots(replica_id, slots, rows))
+        demand = {name: self.demand.get(name) for name in self.demand.names()}
+        plan = trial.update(self._clock(), demand, replicas)
+        mine = [name for name, holders in plan.holders.items() if replica_id in holders]
+        return sorted(mine, key=lambda name: (-demand.get(name, 0.0), name))
 
     def forget_replica(self, replica_id: str) -> bool:
         state = self.replicas.pop(replica_id, None)
@@ -207,19 +283,6 @@ class AdapterDirectory:
             state.pinned.add(event.uid)
         elif event.kind == "unpin":
             state.pinned.discard(event.uid)
-
-    def _set_extras(self, state: ReplicaState, queue_len, host_cached, loading, load_s=None) -> bool:
-        """Whether anything routers price changed (the queue length is stored, not counted)."""
-        before = (state.host_cached, state.loading, state.load_s)
-        if queue_len is not None:
-            state.queue_len = queue_len
-        if host_cached is not None:
-            state.host_cached = set(host_cached)
-        if loading is not None:
-            state.loading = set(loading)
-        if load_s is not None:
-            state.load_s = dict(load_s)
-        return before != (state.host_cached, state.loading, state.load_s)
 
     def _unindex(self, uid: str, replica_id: str) -> None:
         holders = self.holders.get(uid)

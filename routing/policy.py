@@ -1,39 +1,34 @@
-"""The routing decision: the replica where a request is expected to complete first.
+"""The routing decision: within the adapter's planned replicas, where it completes first.
 
-For each candidate replica ``i`` and a request for adapter ``a`` the expected completion
-time (ECT, seconds; the request's own run time is left out: replicas are alike, and a
-measured request time varies with the request mix far more than with the replica) is
+Placement is a fleet decision (``routing.plan``: how many replicas hold each adapter and
+which, made by the directory with hysteresis and published to every router). A request is
+routed within its adapter's planned set; an adapter not in the plan yet is planned where it
+is resident, else on its rendezvous-first replica. Within the set it goes to the replica with
+the lowest expected completion time (ECT, seconds; the request's own run time left out):
 
-    queue wait      max(0, q_i + 1 - cap_i) * T_i / cap_i    until a row frees (a full
-                                            replica drains cap_i requests per T_i: its recent
-                                            request time, measured)
+    queue wait      max(0, q_i + 1 - cap_i) * T_i / cap_i    until a row frees (``T_i``: the
+                                            replica's measured request time)
                   + q_i * batch_slowdown * T_i   what sharing a batch with q_i others costs
-                                            (decode steps are nearly flat in batch size)
   + slot wait       T_i * slot_wait_fraction when ``a`` cannot join the running batch now
-                                            (every usable slot serves another adapter)
-  + load            0 if ``a`` is resident; the replica's measured host-tier copy time if
-                                            ``a`` is in its host tier; its disk read time else
-  + eviction        what the load evicts: the victim's chance of being asked for again within
-                                            demand_horizon request times (from its recent demand)
-                                            times its reload time; within a tie the least
-                                            wanted victim goes first
+  + load            0 if ``a`` is resident; the measured host-tier copy or disk read else
+  + eviction        the victim's chance of being asked for again within ``demand_horizon``
+                                            request times, times its reload
 
-The request goes to the minimum; candidates within ``tie_epsilon`` of one queued request's
-wait (T / cap), or within what one more co-running request costs (a queue length one
-request stale, as right after a completion, must not move an adapter), of the minimum
-are a tie, broken by the cheapest kind of placement, then the adapter's rendezvous order, so
-routers that see the same state choose alike without talking. With expensive loads
-this keeps affinity (a load costs more than queueing behind a holder); with cheap loads
-and idle capacity it spreads. A hot adapter gains replicas while its holders' queue
-wait exceeds a load elsewhere and loses them (LRU) as demand falls; a victim with demand
-costs its reload, so replication never evicts an adapter in use for free.
+Ties (within a fraction of one row's wait) go by the cheapest placement, then the adapter's
+rendezvous order, so routers that see the same state choose alike. Work-conserving within
+the set: the best planned replica that can start the request now takes it.
 
-Work-conserving: a replica that is full (``q_i >= cap_i``), or whose running batch the
-adapter cannot join (every usable slot serves another adapter), cannot start the request
-now: sent there, it would hold a row the batch cannot use until a slot frees. If no
-replica within the tie of the best can start it now, the decision is to wait (``wait``:
-the router waits for capacity, then decides again; the freed row goes to a waiting request
-that can use it); otherwise the request goes to the best replica that can start it now.
+Leaving the plan (a spill) happens only when every planned replica is full and the wait for a
+planned row exceeds the whole cost of a load elsewhere by ``spill_margin`` rows' waits (T / cap):
+the load's own time, the running batch it stalls there (load time x requests running), and
+the victim's reloads (which stall that batch again and evict in turn). A spill target must
+have a row that its own planned adapters' waiting requests will not take, so at saturation
+nothing spills. Spills are served requests like any other: the demand they add is what makes
+the plan grow the adapter's holder count, after its hysteresis, not the request.
+
+A request whose planned replicas are full waits in the router (``wait``); after
+``max_router_wait`` rows' waits any free row will do, the cheapest first (bounded waits), and
+after ``slot_wait_patience`` request times it may take a row where it must wait for a slot.
 
 Pure function over plain data; no Ray, no I/O. ``FleetView`` is the per-replica state a
 router holds (``routing.view.RouterView`` builds it).
@@ -63,6 +58,9 @@ class RoutingConfig:
     slot_wait_patience: float = 2.0   # request times a request waits in the router for a joinable row
     demand_horizon: float = 4.0       # a victim asked for within this many request times is "in use"
     candidate_width: int = 4          # large fleets: rendezvous-first and least-loaded replicas scored
+    spill_margin: float = 2.0         # rows' waits (T / cap) a planned row's wait must exceed a load elsewhere by
+    spill_headroom: int = 2           # free rows a spill target must have beyond those owed (one is a blip)
+    max_router_wait: float = 4.0      # rows' waits a request waits for a planned row at most, then any row will do
 
 
 @dataclass
@@ -93,6 +91,8 @@ class FleetView:
     host_load_s: Optional[Sequence[Optional[float]]] = None  # measured host-tier copy seconds
     disk_load_s: Optional[Sequence[Optional[float]]] = None  # measured disk read seconds
     score_cache: Optional[dict] = None  # adapter -> rendezvous scores and order for these replica_ids (shareable)
+    planned: Optional[Mapping[str, tuple[int, ...]]] = None  # the fleet plan: adapter -> planned replica indexes
+    planned_on: Optional[Sequence[tuple[str, ...]]] = None   # per replica: the adapters planned there
 
     def __post_init__(self) -> None:
         n = len(self.replica_ids)
@@ -112,6 +112,14 @@ class FleetView:
             s = self._scores[adapter] = arr.tolist() if len(arr) <= SMALL_FLEET else arr
         return s
 
+    def tie_scores(self, adapter: str, indexes: Sequence[int]) -> dict[int, int]:
+        """Rendezvous scores of ``adapter`` at a few replicas (a large fleet computes just these)."""
+        if len(self.replica_ids) <= SMALL_FLEET:
+            s = self.scores(adapter)
+            return {i: int(s[i]) for i in indexes}
+        arr = rendezvous_scores(stable_hash(adapter), self.hashes[np.asarray(indexes, dtype=np.int64)])
+        return dict(zip(indexes, arr.tolist()))
+
     def order(self, adapter: str, k: int) -> list[int]:
         """The first ``k`` replicas in ``adapter``'s rendezvous order, cached."""
         key = (adapter, k)
@@ -130,8 +138,9 @@ def choose_replicas(adapter: Optional[str], view: FleetView, loads: Sequence[flo
                     active: Optional[Sequence[Mapping[Optional[str], int]]] = None,
                     demand: Optional[Mapping[str, float]] = None,
                     last_used: Optional[Sequence[Mapping[str, float]]] = None,
-                    batch_slowdown: Optional[float] = None, waited_s: float = 0.0) -> RoutingDecision:
-    """Rank candidates by expected completion time; see the module docstring.
+                    batch_slowdown: Optional[float] = None, waited_s: float = 0.0,
+                    waiting: Optional[Mapping[Optional[str], int]] = None) -> RoutingDecision:
+    """Route within the adapter's planned set, by expected completion time; see the module docstring.
 
     ``loads``: ongoing requests per replica (Serve's queue lengths). ``caps``: each one's
     ``max_ongoing_requests``. ``request_s``: recent seconds per request per replica (None:
@@ -140,78 +149,168 @@ def choose_replicas(adapter: Optional[str], view: FleetView, loads: Sequence[flo
     ``last_used``: when each adapter was last sent to each replica (the victim a load evicts is
     the least recently used, as the pools evict). ``batch_slowdown``: measured (see
     ``LocalRouterState.batch_slowdown``); None: the config's. ``waited_s``: how long the request
-    has waited in the router already; past ``slot_wait_patience`` request times it may take a
-    row where it must wait for a slot (the engine then queues it), so no adapter starves while
-    others keep taking the freed rows.
+    has waited in the router already. ``waiting``: this router's other waiting requests per
+    adapter (the rows a replica's own planned adapters will take first).
     """
     n = len(view.replica_ids)
     if n == 0:
         return RoutingDecision([], "none")
     if n <= SMALL_FLEET and isinstance(loads, np.ndarray):
         loads = loads.tolist()  # small fleets: plain floats are faster to index
-    holders = view.holders.get(adapter, ()) if adapter is not None else ()
-    warm = view.warm.get(adapter, ()) if adapter is not None else ()
-    candidates = range(n) if n <= SMALL_FLEET else _candidates(adapter, view, loads, holders, config)
-    cap_default = float(config.default_max_ongoing)
-    t_default = config.default_request_s
-    join_check = active is not None and view.slots is not None
-    free = view.free
-    slowdown = config.batch_slowdown if batch_slowdown is None else batch_slowdown
-    ect: dict[int, float] = {}
-    blocked: set[int] = set()  # replicas whose running batch the adapter cannot join now
-    cost_class: dict[int, int] = {}  # 0 resident, 1 load into a free slot, 2 load that evicts
-    best, best_e, best_tol = 0, float("inf"), 0.0
-    for i in candidates:
-        cap = caps[i] if caps is not None else cap_default
-        t = (request_s[i] if request_s is not None else None) or t_default
-        q = loads[i]
-        e = (q + 1 - cap if q + 1 > cap else 0.0) * t / cap + q * slowdown * t
-        if join_check and view.slots[i] and not _can_join(adapter, i, view, active):
-            e += config.slot_wait_fraction * t
-            blocked.add(i)
-        if adapter is None or i in holders:
-            cost_class[i] = 0
-        else:
-            e += _load_s(view, i, i in warm, config)
-            if free[i] > 0:
-                cost_class[i] = 1
-            else:
-                cost_class[i] = 2
-                rate = _victim_demand(view, i, active, demand, last_used)
-                e += min(1.0, rate * config.demand_horizon * t) * _load_s(view, i, True, config)
-        ect[i] = e
-        if e < best_e:  # the tie: a fraction of a row's wait, and at least one co-running request's cost
-            best, best_e, best_tol = i, e, max(config.tie_epsilon * t / cap, slowdown * t)
-    limit = best_e + best_tol
-    # within the tie, the cheapest kind of placement, then the adapter's rendezvous order (base: least
-    # loaded, then index), so routers whose estimates differ slightly still agree; beyond it, by ECT
+    ctx = _Scoring(adapter, view, loads, config, caps, request_s, active, demand, last_used,
+                   config.batch_slowdown if batch_slowdown is None else batch_slowdown)
     if adapter is None:
-        tie_key = lambda i: (cost_class[i], loads[i], i)  # noqa: E731
-    else:
-        scores = view.scores(adapter)
-        tie_key = lambda i: (cost_class[i], -int(scores[i]))  # noqa: E731
-    tied = [i for i in ect if ect[i] <= limit]
-    tied.sort(key=tie_key)
-    best = tied[0]
-    chosen = None
-    t_best = (request_s[best] if request_s is not None else None) or t_default
-    if blocked and waited_s > config.slot_wait_patience * t_best:
-        blocked = set()  # waited long enough: queue in the engine for a slot rather than starve here
-    for i in tied:  # a row taken by a request that must wait for a slot is a row the batch loses
-        if loads[i] < (caps[i] if caps is not None else cap_default) and i not in blocked:
-            chosen = i
-            break
-    if chosen is None:  # nothing in the tie can start now: wait for it
-        return RoutingDecision([], "wait", wait=True, best=best, ect=ect)
-    return RoutingDecision([[chosen]], _kind(adapter, holders, chosen), best=best, ect=ect)
+        candidates = range(n) if n <= SMALL_FLEET else _candidates(None, view, loads, (), config)
+        return _route_base(ctx, candidates)
+    planned = view.planned.get(adapter) if view.planned is not None else None
+    if not planned:  # not in the plan yet: where it is resident, else its rendezvous-first replica
+        planned = tuple(sorted(ctx.holders)) or tuple(view.order(adapter, 1))
+    ranked = ctx.rank(planned)
+    best = ranked[0]
+    t_best = ctx.request_time(best)
+    patient = waited_s > config.slot_wait_patience * t_best  # waited long enough: may queue in the engine
+    for i in ranked:  # work-conserving within the plan
+        if ctx.has_row(i) and (patient or i not in ctx.blocked):
+            return RoutingDecision([[i]], _kind(adapter, ctx.holders, planned, i), best=best, ect=ctx.ect)
+    overdue = waited_s > config.max_router_wait * t_best / ctx.cap(best)  # bounded wait: any free row now
+    spill = _spill_target(ctx, planned, best, waiting or {}, overdue)
+    if spill is not None:
+        return RoutingDecision([[spill]], "spill", best=best, ect=ctx.ect)
+    return RoutingDecision([], "wait", wait=True, best=best, ect=ctx.ect)
 
 
-def _kind(adapter: Optional[str], holders: Collection[int], chosen: int) -> str:
+class _Scoring:
+    """One decision's inputs and the expected completion times it has computed so far."""
+
+    def __init__(self, adapter, view, loads, config, caps, request_s, active, demand, last_used, slowdown):
+        self.adapter, self.view, self.loads, self.config = adapter, view, loads, config
+        self.caps, self.request_s, self.active, self.demand, self.last_used = caps, request_s, active, demand, last_used
+        self.slowdown = slowdown
+        self.holders = view.holders.get(adapter, ()) if adapter is not None else ()
+        self.warm = view.warm.get(adapter, ()) if adapter is not None else ()
+        self.join_check = active is not None and view.slots is not None
+        self.ect: dict[int, float] = {}
+        self.cost_class: dict[int, int] = {}  # 0 resident, 1 load into a free slot, 2 load that evicts
+        self.blocked: set[int] = set()        # replicas whose running batch the adapter cannot join now
+        self.load_cost: dict[int, float] = {}  # a load's whole cost there: its time, its victim's, the stall
+
+    def cap(self, i: int) -> float:
+        return self.caps[i] if self.caps is not None else float(self.config.default_max_ongoing)
+
+    def request_time(self, i: int) -> float:
+        return (self.request_s[i] if self.request_s is not None else None) or self.config.default_request_s
+
+    def has_row(self, i: int) -> bool:
+        return self.loads[i] < self.cap(i)
+
+    def score(self, i: int) -> float:
+        e = self.ect.get(i)
+        if e is not None:
+            return e
+        cfg, view, adapter = self.config, self.view, self.adapter
+        cap, t, q = self.cap(i), self.request_time(i), self.loads[i]
+        e = (q + 1 - cap if q + 1 > cap else 0.0) * t / cap + q * self.slowdown * t
+        if self.join_check and view.slots[i] and not _can_join(adapter, i, view, self.active):
+            e += cfg.slot_wait_fraction * t
+            self.blocked.add(i)
+        load_cost = 0.0
+        if adapter is None or i in self.holders:
+            self.cost_class[i] = 0
+        else:
+            load_s = _load_s(view, i, i in self.warm, cfg)
+            e += load_s
+            load_cost = load_s * (1 + q)  # the running batch waits while the slot fills
+            if view.free[i] > 0:
+                self.cost_class[i] = 1
+            else:
+                self.cost_class[i] = 2
+                rate = _victim_demand(view, i, self.active, self.demand, self.last_used)
+                # the victim, asked for again, reloads (stalling that batch too) and evicts in turn
+                victim = min(1.0, rate * cfg.demand_horizon * t) * _load_s(view, i, True, cfg)
+                e += victim
+                load_cost += 2.0 * victim * (1 + q)
+        self.load_cost[i] = load_cost
+        self.ect[i] = e
+        return e
+
+    def rank(self, candidates) -> list[int]:
+        """By expected completion time; within a tie (a fraction of one row's wait, at least one
+        co-running request's cost) by the cheapest kind of placement, then rendezvous order, so
+        routers whose estimates differ slightly still agree."""
+        scored = sorted((self.score(i), i) for i in candidates)
+        if len(scored) == 1:
+            return [scored[0][1]]
+        best_e, best_i = scored[0]
+        t = self.request_time(best_i)
+        limit = best_e + max(self.config.tie_epsilon * t / self.cap(best_i), self.slowdown * t)
+        tied = [i for e, i in scored if e <= limit]
+        if len(tied) > 1:
+            scores = self.view.tie_scores(self.adapter, tied)
+            tied.sort(key=lambda i: (self.cost_class[i], -scores[i]))
+        return tied + [i for e, i in scored if e > limit]
+
+
+def _route_base(ctx: _Scoring, candidates) -> RoutingDecision:
+    """The base model needs no adapter: the least loaded replica by expected completion time."""
+    scored = sorted((ctx.score(i), ctx.loads[i], i) for i in candidates)
+    for _, _, i in scored:
+        if ctx.has_row(i):
+            return RoutingDecision([[i]], "base", best=scored[0][2], ect=ctx.ect)
+    return RoutingDecision([], "wait", wait=True, best=scored[0][2], ect=ctx.ect)
+
+
+def _spill_target(ctx: _Scoring, planned: Sequence[int], best: int, waiting: Mapping,
+                  overdue: bool = False) -> Optional[int]:
+    """A replica outside the plan worth a load now, or None (wait for a planned row).
+
+    Every planned replica is full. Leaving the plan pays off only when the wait for a planned row
+    exceeds the whole cost of a load elsewhere (its own time, the batch it stalls, the victim's
+    reload) by ``spill_margin`` request times, and only on a replica whose free rows its own
+    planned adapters' waiting requests will not take (``spill_headroom`` of them). ``overdue``: the request has waited its
+    bound; the least costly free row anywhere takes it."""
+    view, cfg = ctx.view, ctx.config
+    row_wait = ctx.request_time(best) / ctx.cap(best)
+    margin = 0.0 if overdue else cfg.spill_margin * row_wait
+    # the wait for a planned row: the rows ahead of it (a full replica frees one per row_wait); what
+    # sharing a batch costs is no reason to leave the plan (a spill shares a batch elsewhere too)
+    wait = max(0.0, ctx.loads[best] + 1 - ctx.cap(best) + _ahead(view, best, waiting)) * row_wait
+    if not overdue and wait <= margin:
+        return None  # no load anywhere is cheaper than nothing: the common case costs no scan
+    n = len(view.replica_ids)
+    others = range(n) if n <= SMALL_FLEET else _candidates(ctx.adapter, view, ctx.loads, ctx.holders, cfg)
+    target, target_cost = None, float("inf")
+    inside = set(planned)
+    for j in others:
+        if j in inside or ctx.loads[j] + _ahead(view, j, waiting) + cfg.spill_headroom > ctx.cap(j):
+            continue  # its free rows are owed to requests planned there (overdue or not), or it is nearly full
+        ctx.score(j)
+        cost = ctx.load_cost[j]  # the wait there is none: it has a free row
+        if j in ctx.blocked or cost >= target_cost:
+            continue
+        target, target_cost = j, cost
+    if target is None or (not overdue and wait - target_cost <= margin):
+        return None
+    return target
+
+
+def _ahead(view: FleetView, i: int, waiting: Mapping) -> float:
+    """This router's waiting requests whose plan includes replica ``i`` (each split over its holders)."""
+    if not waiting or view.planned_on is None:
+        return 0.0
+    total = 0.0
+    for name in view.planned_on[i]:
+        w = waiting.get(name)
+        if w:
+            total += w / len(view.planned[name])
+    return total
+
+
+def _kind(adapter: Optional[str], holders: Collection[int], planned: Collection[int], chosen: int) -> str:
     if adapter is None:
         return "base"
     if chosen in holders:
-        return "affinity"
-    return "spill" if holders else "placement"
+        return "affinity" if chosen in planned else "spill"
+    return "placement" if chosen in planned else "spill"
 
 
 def _can_join(adapter: Optional[str], i: int, view: FleetView, active: Sequence[Mapping]) -> bool:

@@ -3,7 +3,8 @@
 Serve creates one per handle-holding process (each proxy, ingress replica, driver); they
 share no memory. Each keeps a ``RouterView`` fed by a background long poll on the
 AdapterDirectory deployment, by the replicas' ``routing_stats``, and by its own
-decisions, and asks ``policy.choose_replicas`` for the replica where the request is
+decisions, and the directory's placement plan (``routing.plan``), and asks
+``policy.choose_replicas`` for the replica of the adapter's planned set where the request is
 expected to complete first. Routing never waits on the directory: with it down, the
 last view, the stats and rendezvous order remain.
 
@@ -143,6 +144,7 @@ class AdapterAffinityRouter(RequestRouter):
         self._by_id: dict[str, RunningReplica] = {}
         self._caps: list[float] = []
         self._waiters = OldestFirstWaiters()
+        self._waiting: Counter = Counter()  # adapter -> this router's requests waiting for a planned row
         self._kinds: dict[str, str] = {}  # request id -> decision kind, counted when routed
         self._first_seen: dict[str, float] = {}  # request id -> when it first asked for a replica
         self._last_call: tuple[Optional[str], float] = (None, 0.0)
@@ -198,23 +200,33 @@ class AdapterAffinityRouter(RequestRouter):
                 await self._wait_for_capacity(first_seen)  # Serve could not use the last choice: do not spin
         deadline = time.monotonic() + MAX_WAIT_PER_CALL_S
         kind = None
-        while True:
-            decision = self._decide(adapter, time.monotonic() - first_seen)
-            if not decision.wait or time.monotonic() >= deadline:
-                break
-            self.decisions["wait"] += 1
-            self.metrics.decision("wait")
-            others = self._others_fill(decision.best)
-            # only other routers' completions go unseen: with none in the way, wait for ours (no polling);
-            # with them, the oldest waiting request polls for all (the room its probe finds wakes the rest)
-            poll = others and self._waiters.first_in_line(first_seen)
-            timeout = self.capacity_poll_s if poll else deadline - time.monotonic()
-            if not await self._wait_for_capacity(first_seen, timeout) and poll:
-                # nothing of ours finished, but other routers' requests fill the best replica and
-                # their completions are invisible here: offer it, so Serve asks it for its queue length
-                # (offering every replica made Serve probe each in turn: slower, measured)
-                chosen, kind = decision.best, "waited"
-                break
+        counted = False  # this request is in ``_waiting`` (the rows its planned replicas owe it)
+        try:
+            while True:
+                decision = self._decide(adapter, time.monotonic() - first_seen)
+                if not decision.wait or time.monotonic() >= deadline:
+                    break
+                if not counted:
+                    counted = True
+                    self._waiting[adapter] += 1
+                self.decisions["wait"] += 1
+                self.metrics.decision("wait")
+                others = self._others_fill(decision.best)
+                # only other routers' completions go unseen: with none in the way, wait for ours (no polling);
+                # with them, the oldest waiting request polls for all (the room its probe finds wakes the rest)
+                poll = others and self._waiters.first_in_line(first_seen)
+                timeout = self.capacity_poll_s if poll else deadline - time.monotonic()
+                if not await self._wait_for_capacity(first_seen, timeout) and poll:
+                    # nothing of ours finished, but other routers' requests fill the best replica and
+                    # their completions are invisible here: offer it, so Serve asks it for its queue length
+                    # (offering every replica made Serve probe each in turn: slower, measured)
+                    chosen, kind = decision.best, "waited"
+                    break
+        finally:
+            if counted:
+                self._waiting[adapter] -= 1
+                if self._waiting[adapter] <= 0:
+                    del self._waiting[adapter]
         self._last_call = (request_id, time.monotonic())
         if kind is None:
             if not decision.tiers:
@@ -245,7 +257,7 @@ class AdapterAffinityRouter(RequestRouter):
                                caps=self._caps, request_s=local.request_s_by_index(ids),
                                active=local.active_by_index(ids), demand=local.demand,
                                last_used=local.last_used_by_index(ids), batch_slowdown=local.batch_slowdown(),
-                               waited_s=waited_s)
+                               waited_s=waited_s, waiting=self._waiting)
 
     async def _wait_for_capacity(self, since: float, timeout: Optional[float] = None) -> bool:
         """Until a request of ours completes or a replica reports room (True), or ``timeout`` (default
@@ -343,7 +355,8 @@ class AdapterAffinityRouter(RequestRouter):
                 if handle is None:
                     handle = serve.get_deployment_handle(self.directory_deployment, app_name=self.app_name)
                 timeout = min(self.poll_timeout_s, self.metrics_export_interval_s)
-                reply = handle.get_changes.remote(version, timeout).result(timeout_s=timeout + 10)
+                reply = handle.get_changes.remote(version, timeout, self.view.plan_version).result(
+                    timeout_s=timeout + 10)
                 version = reply["version"] if "full" in reply or reply.get("epoch") == self._epoch_seen else -1
                 self._epoch_seen = reply.get("epoch")
                 loop.call_soon_threadsafe(self.view.apply_directory_reply, reply)

@@ -27,17 +27,21 @@ _EMPTY: Mapping = {}
 
 
 class DemandRates:
-    """Requests per second per adapter, decayed with time constant ``tau_s`` (read lazily)."""
+    """Requests (or request-seconds, with ``weight``) per second per adapter, decayed with time
+    constant ``tau_s`` (read lazily)."""
 
     def __init__(self, tau_s: float, clock: Callable[[], float]):
         self.tau_s = tau_s
         self._clock = clock
         self._value: dict[Optional[str], tuple[float, float]] = {}  # adapter -> (decayed count, at)
 
-    def add(self, adapter: Optional[str]) -> None:
+    def add(self, adapter: Optional[str], weight: float = 1.0) -> None:
         now = self._clock()
         value, at = self._value.get(adapter, (0.0, now))
-        self._value[adapter] = (value * math.exp((at - now) / self.tau_s) + 1.0, now)
+        self._value[adapter] = (value * math.exp((at - now) / self.tau_s) + weight, now)
+
+    def names(self) -> list:
+        return list(self._value)
 
     def get(self, adapter: Optional[str], default: float = 0.0) -> float:
         entry = self._value.get(adapter)

@@ -17,12 +17,9 @@ from typing import Callable, Mapping, Optional
 
 import numpy as np
 
+from .identity import name_of
+from .plan import PlacementPlan
 from .policy import FleetView
-
-
-def adapter_name(uid: str) -> str:
-    """Registration uids are ``name@<id>``; routing keys by the user-facing name."""
-    return uid.rsplit("@", 1)[0]
 
 
 class RouterView:
@@ -41,12 +38,23 @@ class RouterView:
         self._cache: Optional[FleetView] = None
         self._scores: dict = {}  # rendezvous scores and orders, kept across rebuilds for the same replicas
         self._scores_for: tuple[str, ...] = ()
+        self.plan: Optional[PlacementPlan] = None  # the directory's placement plan (routing.plan)
+
+    @property
+    def plan_version(self) -> int:
+        return self.plan.version if self.plan is not None else -1
 
     # ------------------------------------------------------------------ inputs
 
     def apply_directory_reply(self, reply: Mapping) -> None:
-        """A ``get_changes`` reply: deltas, or a full view (first poll, restart, or a log gap)."""
+        """A ``get_changes`` reply: deltas, or a full view (first poll, restart, or a log gap), and
+        the placement plan when it changed."""
+        if reply.get("plan") is not None:
+            self.plan = PlacementPlan.from_dict(reply["plan"])
+            self._touch()
         if reply.get("epoch") != self.epoch or "full" in reply:
+            if reply.get("epoch") != self.epoch and reply.get("plan") is None:
+                self.plan = None  # a restarted directory numbers its plans afresh
             self.states = {r: s for r, s in reply.get("full", {}).items()}
             self.epoch = reply.get("epoch")
             if "full" not in reply:  # new epoch but only deltas: ask again from scratch
@@ -99,13 +107,13 @@ class RouterView:
             cache.free[i] = int(cache.free_slots[i])
 
     def _holds(self, replica_id: str, adapter: str) -> bool:
-        return any(adapter_name(u) == adapter for u in self.states.get(replica_id, {}).get("resident", ()))
+        return any(name_of(u) == adapter for u in self.states.get(replica_id, {}).get("resident", ()))
 
     def _confirm(self, replica_id: str, state: Mapping) -> None:
         """A replica's own report supersedes our guesses about it: drop those it confirms."""
         reserved = self._reserved.get(replica_id)
         for uid in state.get("resident", ()):
-            name = adapter_name(uid)
+            name = name_of(uid)
             targets = self._optimistic.get(name)
             if targets is not None:
                 targets.pop(replica_id, None)
@@ -169,20 +177,36 @@ class RouterView:
             if not state:
                 free[i] = max(0, 1 - reserved)  # a replica nobody has heard of yet: at least one free slot
                 continue
-            names = tuple(adapter_name(uid) for uid in state.get("resident", {}))
+            names = tuple(name_of(uid) for uid in state.get("resident", {}))
             for name in names:
                 holders.setdefault(name, set()).add(i)
             for uid in (*state.get("host_cached", ()), *state.get("loading", ())):
-                warm.setdefault(adapter_name(uid), set()).add(i)
+                warm.setdefault(name_of(uid), set()).add(i)
             free[i] = max(0, int(state.get("free_slots", 0)) - reserved)
             slots[i] = int(state.get("slots", 0))
             residents[i] = names
-            pinned[i] = frozenset(adapter_name(uid) for uid in state.get("pinned", ()))
+            pinned[i] = frozenset(name_of(uid) for uid in state.get("pinned", ()))
             timings = state.get("load_s") or {}
             host_s[i], disk_s[i] = timings.get("host"), timings.get("disk")
+        planned, planned_on = self._planned(replica_ids)
         return FleetView(replica_ids, holders=holders, warm=warm, free_slots=free, slots=slots, residents=residents,
                          pinned=pinned, host_load_s=_fill_with_mean(host_s), disk_load_s=_fill_with_mean(disk_s),
-                         score_cache=self._scores)
+                         score_cache=self._scores, planned=planned, planned_on=planned_on)
+
+    def _planned(self, replica_ids: tuple[str, ...]) -> tuple[dict, list]:
+        """The plan over these candidates: adapter -> indexes, and per index the adapters planned there."""
+        planned: dict[str, tuple[int, ...]] = {}
+        planned_on: list[list[str]] = [[] for _ in replica_ids]
+        if self.plan is None:
+            return planned, planned_on
+        index = {r: i for i, r in enumerate(replica_ids)}
+        for name, holders in self.plan.holders.items():
+            at = tuple(index[r] for r in holders if r in index)
+            if at:
+                planned[name] = at
+                for i in at:
+                    planned_on[i].append(name)
+        return planned, planned_on
 
 
 def _fill_with_mean(values: list[Optional[float]]) -> list[Optional[float]]:

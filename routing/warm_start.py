@@ -4,10 +4,10 @@ Pure rules over names and replica ids (the directory runs them; the simulator ca
 
 - ``warm_start_plan``: a replica joining the fleet loads into its slots the pinned adapters whose
   ``pin_holders`` over the new replica set include it, then the adapters in use whose rendezvous
-  order over the new set puts it among their first ``holders + 1`` replicas (where routing would
-  place their next copy: an adapter's copies follow its rendezvous order), hottest first (most
-  holders), at most ``slots - 1`` in slots; the rest of those go to its host tier, up to
-  ``host_limit``.
+  order over the new set puts it among their first ``holders + 1`` replicas, hottest first, at
+  most ``slots - 1`` in slots; the rest of those go to its host tier, up to ``host_limit``. With
+  a placement plan (the directory's), the unpinned adapters are instead those the plan would
+  place on the new replica (``AdapterDirectory.planned_for``): the same rule routing follows.
 - ``rehome_targets``: the adapters a departed replica held go, each, to the first survivor in
   their rendezvous order that does not hold them already (that survivor prefetches it into its
   host tier, so the next request there is a copy, not a file read).
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Optional
 
 from .hashing import rendezvous_order
 from .pins import pin_holders
@@ -45,20 +46,28 @@ class WarmStartPlan:
 
 
 def warm_start_plan(replica_id: str, replica_ids: Sequence[str], adapters: Iterable[AdapterPlacement],
-                    slots: int, host_limit: int) -> WarmStartPlan:
-    """The adapters ``replica_id`` should hold when it joins ``replica_ids`` (see the module's rule)."""
+                    slots: int, host_limit: int, planned: Optional[Sequence[str]] = None) -> WarmStartPlan:
+    """The adapters ``replica_id`` should hold when it joins ``replica_ids`` (see the module's rule).
+
+    ``planned``: what the fleet's placement plan would place on it (``AdapterDirectory.planned_for``,
+    neediest first); when given it replaces the rendezvous rule for the unpinned adapters, so a
+    replica warms exactly what routers will send it."""
     if slots < 1 or host_limit < 0:
         raise ValueError(f"slots must be >= 1 and host_limit >= 0, got slots={slots} host_limit={host_limit}")
     replicas = sorted(set(replica_ids) | {replica_id})
     adapters = sorted(adapters, key=lambda a: a.name)
     pins = [a.name for a in adapters if a.pin_count > 0 and replica_id in pin_holders(a.name, replicas, a.pin_count)]
     kept_pins, skipped = pins[:slots - 1], pins[slots - 1:]
-    hot = sorted((a for a in adapters if a.holders > 0 and a.name not in pins
-                  and replica_id in rendezvous_order(a.name, replicas)[:a.holders + 1]),
-                 key=lambda a: (-a.holders, a.name))
+    if planned is not None:
+        known = {a.name for a in adapters}
+        hot_names = [name for name in planned if name in known and name not in pins]
+    else:
+        hot_names = [a.name for a in sorted((a for a in adapters if a.holders > 0 and a.name not in pins
+                                             and replica_id in rendezvous_order(a.name, replicas)[:a.holders + 1]),
+                                            key=lambda a: (-a.holders, a.name))]
     room = max(0, slots - 1 - len(kept_pins))
-    in_slots = [a.name for a in hot[:room]]
-    host = [a.name for a in hot[room:]][:host_limit]
+    in_slots = hot_names[:room]
+    host = hot_names[room:][:host_limit]
     return WarmStartPlan(slots=tuple(kept_pins + in_slots), pins=tuple(kept_pins), host=tuple(host),
                          skipped_pins=tuple(skipped))
 

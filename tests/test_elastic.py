@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import itertools
 import threading
-import time
 from typing import Self
 
 import pytest
@@ -82,9 +81,9 @@ def test_a_working_set_beyond_the_slots_scales_out_and_the_new_replica_starts_wa
     with Traffic(elastic) as traffic:  # 6 adapters x 1.5 headroom = 9 slots wanted, 6 held: one more replica
         (new,) = wait_until(lambda: set(view_replicas(APP)) - before, 240, "the policy to add a third replica")
         wait_until(lambda: running_workers() == 3, 120, "Serve to run the third replica")
-        time.sleep(1.0)  # this process's router hears of it
+        # real_pool targets the new replica: this process's router backs off until it hears of it
         pool = real_pool(new, APP)  # while traffic keeps the working set, and with it the third replica
-        assert uid0 in view_replicas(APP)[new]["pinned"]  # routers see the pin on the new replica
+        wait_until(lambda: uid0 in view_replicas(APP)[new]["pinned"], 60, "routers to see the pin on the new replica")
     assert not traffic.errors, traffic.errors[:3]
     warm = pool["warm_start"]
     plan, by_name = warm["plan"], uids(elastic)

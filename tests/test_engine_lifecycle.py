@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -53,24 +54,64 @@ def test_a_cancelled_stream_leaves_the_engine_within_a_step(engine):
     assert engine.cache.allocator.num_used == 0  # their KV blocks are free
 
 
-def test_a_cancelled_waiting_request_never_runs(engine):
-    async def scenario():
-        busy = [asyncio.ensure_future(engine.generate(GenerateRequest(prompt=f"busy {i}", max_tokens=40)))
-                for i in range(4)]  # fill the batch of 4
-        await asyncio.sleep(0.05)
-        queued = asyncio.ensure_future(engine.generate(GenerateRequest(prompt="queued", max_tokens=40)))
-        await asyncio.sleep(0.05)
-        tokens_before = engine.tokens_generated
-        queued.cancel()
-        results = await asyncio.gather(*busy)
-        with pytest.raises(asyncio.CancelledError):
-            await queued
-        return tokens_before, results
+class ForwardGate:
+    """Parks the engine thread in its next forward (at the LM head) until released: the batch cannot advance.
 
-    tokens_before, results = asyncio.run(scenario())
+    Submitting and cancelling take only the engine's queue lock, never the step, so a test can
+    change the queue while the batch is held exactly as it was: no guess of how long a step takes.
+    """
+
+    def __init__(self, head: torch.nn.Module):
+        self.parked, self._go, self._armed = threading.Event(), threading.Event(), False
+        self._hook = head.register_forward_pre_hook(self._maybe_park)
+
+    def _maybe_park(self, *_) -> None:
+        if self._armed:
+            self._armed = False
+            self.parked.set()
+            self._go.wait(120)
+
+    def hold(self, timeout_s: float = 30) -> None:
+        self._armed = True
+        assert self.parked.wait(timeout_s), "the engine did not reach its next forward"
+
+    def release(self) -> None:
+        self._go.set()
+        self._hook.remove()
+
+
+def test_a_cancelled_waiting_request_never_runs(engine):
+    wait_until(lambda: engine.queue_len() == 0, 30, "the engine to be idle")
+    tokens_at_start, cancelled_before = engine.tokens_generated, engine.stats()["cancelled"]
+    gate = ForwardGate(engine.model.lm_head)
+
+    async def scenario():
+        busy = [engine.generate_stream(GenerateRequest(prompt=f"busy {i}", max_tokens=40), with_result=True)
+                for i in range(4)]  # fill the batch of 4
+        for stream in busy:
+            await stream.__anext__()  # each is running: it has its first token
+        try:
+            gate.hold()  # the batch stays as it is until release()
+            assert engine.stats()["running"] == 4, engine.stats()
+            queued = asyncio.ensure_future(engine.generate(GenerateRequest(prompt="queued", max_tokens=40)))
+            while engine.stats()["waiting"] < 1:  # submitted off the loop; the held batch cannot admit it
+                assert not queued.done(), queued
+                await asyncio.sleep(0.01)
+            queued.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await queued
+            held = engine.stats()
+        finally:
+            gate.release()
+        results = [[item async for item in stream][-1] for stream in busy]
+        return held, results
+
+    held, results = asyncio.run(scenario())
+    assert held["waiting"] == 0 and held["cancelled"] - cancelled_before == 1  # dropped before any step
     wait_until(lambda: engine.queue_len() == 0, 30, "the batch to drain")
-    produced_after = engine.tokens_generated - tokens_before
-    assert produced_after <= sum(r.completion_tokens for r in results)  # nothing for the cancelled one
+    assert [r.completion_tokens for r in results] == [40] * 4
+    # every token since the start belongs to the four busy requests: none to the cancelled one
+    assert engine.tokens_generated - tokens_at_start == sum(r.completion_tokens for r in results)
 
 
 def test_a_near_zero_temperature_is_greedy_and_harms_nobody(engine):

@@ -187,7 +187,7 @@ def _bad_cases(bad):
         ("POST", completions, {"model": "demo-1", "prompt": "x", "temperature": -1}, 400, "temperature"),
         ("POST", completions, {"model": "demo-1", "prompt": "x", "top_p": 0}, 400, "top_p"),
         ("POST", completions, {"model": "demo-1", "prompt": ""}, 400, "prompt"),
-        ("POST", completions, {"model": "demo-1", "prompt": "x", "n": 2}, 400, "n"),
+        ("POST", completions, {"model": "demo-1", "prompt": "x", "n": 17}, 400, "n"),
         ("POST", completions, {"model": "demo-1"}, 400, "prompt"),
         ("POST", chat, {"model": "demo-1", "messages": []}, 400, "messages"),
         ("POST", completions, {"model": "demo-1", "prompt": "x" * 40_000}, 400, "prompt"),
@@ -210,8 +210,8 @@ def _bad_cases(bad):
         ("POST", completions, {"model": "demo-1", "prompt": "x", "temperature": 3}, 400, "temperature"),
         ("POST", completions, {"model": "demo-1", "prompt": "x", "top_p": 1.5}, 400, "top_p"),
         ("POST", completions, {"model": "demo-1", "prompt": "x", "seed": -1}, 400, "seed"),
-        ("POST", completions, {"model": "demo-1", "prompt": "x", "response_format": {"type": "json_object"}}, 400,
-         "response_format"),
+        ("POST", completions, {"model": "demo-1", "prompt": "x", "response_format": {"type": "json_schema",
+                               "json_schema": {"name": "s", "schema": {"$ref": "#/missing"}}}}, 400, "missing"),
         ("POST", chat, {"model": "demo-1", "messages": [{"role": "user", "content": "x"}],
                         "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
         ("POST", completions, {"model": "demo-1", "prompt": "x", "logit_bias": {"5": 3}}, 400, "logit_bias"),
@@ -219,7 +219,11 @@ def _bad_cases(bad):
         ("POST", completions, {"model": "demo-1", "prompt": "x", "top_k": 5}, 400, "top_k"),
         ("POST", completions, {"model": "demo-1", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
         ("POST", completions, {"model": "demo-1", "prompt": "x", "stop": "s" * 300}, 400, "stop"),
-        ("POST", completions, {"model": "demo-1", "prompt": "x", "echo": True}, 400, "echo"),
+        ("POST", completions, {"model": "demo-1", "prompt": "x", "echo": True, "stream": True}, 400, "echo"),
+        ("POST", completions, {"model": "demo-1", "prompt": "x", "logprobs": 21}, 400, "logprobs"),
+        ("POST", chat, {"model": "demo-1", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
+         "top_logprobs"),
+        ("POST", completions, {"model": "demo-1", "prompt": "x", "presence_penalty": 3}, 400, "presence_penalty"),
         ("POST", completions, {"model": "demo-1", "prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
         # prompts and messages
         ("POST", completions, {"model": "demo-1", "prompt": [999_999]}, 400, "prompt"),
@@ -228,6 +232,8 @@ def _bad_cases(bad):
         ("POST", chat, {"model": "demo-1", "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages"),
         ("POST", chat, {"model": "demo-1", "messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400, "messages"),
+        ("POST", chat, {"model": "demo-1", "messages": [{"role": "user", "content": [
+            {"type": "text", "text": 123}]}]}, 400, "text must be a string"),
         # adapter registration: names, sources, files
         ("POST", admin, {"name": "n" * 200, "source": "demo:demo-0"}, 400, "name"),
         ("POST", admin, {"name": "nosource"}, 400, "source"),

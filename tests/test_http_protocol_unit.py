@@ -21,7 +21,7 @@ def completion(**fields) -> CompletionRequest:
     return CompletionRequest(model="demo-1", prompt="x", **fields)
 
 
-@pytest.mark.parametrize("name,value", [("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]),
+@pytest.mark.parametrize("name,value", [("audio", {"voice": "x"}), ("tools", [{"type": "function"}]),
                                         ("logit_bias", {"5": 10}), ("best_of", 3), ("suffix", "!"),
                                         ("top_k", 5), ("tool_choice", "auto")])
 def test_unimplemented_or_unknown_parameters_are_refused_by_name(name, value):

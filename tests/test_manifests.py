@@ -24,22 +24,13 @@ from pathlib import Path
 
 import pytest
 import yaml
+from metric_names import RAY_PREFIX, defined_metrics, of_kind, prometheus_series
 
 REPO = Path(__file__).resolve().parents[1]
 MANIFESTS = REPO / "manifests"
 CRD_PATH = REPO / "tests" / "data" / "kuberay" / "ray.io_rayservices.yaml"
 SERVE_CONFIGS = [REPO / "serve_config.yaml", REPO / "serve_config.gpu.yaml"]
 
-# The Prometheus names of the metrics docs/design.md lists, as the application defines them. Ray's metrics
-# agent exports each user metric as ray_<name>: tests/test_metrics.py scrapes a live cluster and
-# checks that every series this dashboard queries is there under that name.
-GAUGES = ["lorafleet_pool_slots", "lorafleet_pool_slots_used", "lorafleet_pool_pinned", "lorafleet_host_cache_bytes",
-          "lorafleet_router_view_lag_seconds", "lorafleet_directory_replicas"]
-COUNTERS = ["lorafleet_adapter_loads_total", "lorafleet_adapter_evictions_total", "lorafleet_pool_hits_total",
-            "lorafleet_pool_misses_total", "lorafleet_host_cache_hits_total", "lorafleet_router_decisions_total",
-            "lorafleet_directory_events_total"]
-HISTOGRAMS = ["lorafleet_adapter_load_seconds"]
-RAY_PREFIX = "ray_"
 
 
 def missing(what: str) -> None:
@@ -397,15 +388,16 @@ def dashboard_exprs() -> list[str]:
 
 
 def test_dashboard_queries_every_metric_by_its_prometheus_name():
+    """Every metric the code defines (tests/metric_names.py reads them from the source) has a panel."""
     exprs = dashboard_exprs()
     text = "\n".join(exprs)
-    for name in GAUGES + COUNTERS:
+    assert of_kind("Gauge") and of_kind("Counter") and of_kind("Histogram"), defined_metrics()
+    for name in of_kind("Gauge", "Counter"):
         assert re.search(rf"\b{RAY_PREFIX}{name}\b", text), f"no panel shows {name}"
-    for name in HISTOGRAMS:
+    for name in of_kind("Histogram"):
         pattern = rf"histogram_quantile\(0\.\d+, sum by \(le[\w, ]*\) \(rate\({RAY_PREFIX}{name}_bucket\b"
         assert re.search(pattern, text), f"no quantile of {name}"
-    known = {RAY_PREFIX + n for n in GAUGES + COUNTERS} | {
-        RAY_PREFIX + n + s for n in HISTOGRAMS for s in ("_bucket", "_sum", "_count")}
+    known = prometheus_series()
     for expr in exprs:
         for token in re.findall(r"\b\w*lorafleet_\w+", expr):
             assert token in known, f"{token!r} in {expr!r} is not a metric as Prometheus sees it"
@@ -417,3 +409,10 @@ def test_dashboard_queries_every_metric_by_its_prometheus_name():
                 assert "rate(" in expr
     assert "lorafleet_adapter_evictions_total" in text and "by (policy)" in text
     assert "by (kind)" in text
+
+
+@pytest.mark.parametrize("doc", ["docs/design.md", "manifests/README.md"])
+def test_the_docs_name_every_metric_the_code_defines(doc):
+    text = (REPO / doc).read_text(encoding="utf-8")
+    named = set(re.findall(r"\blorafleet_\w+", text))
+    assert set(defined_metrics()) - named == set(), f"{doc} does not name these metrics"

@@ -2,7 +2,8 @@
 
 import pytest
 
-from routing.view import RouterView, adapter_name
+from routing.identity import name_of
+from routing.view import RouterView
 
 
 class Clock:
@@ -68,7 +69,7 @@ def test_host_cached_and_loading_adapters_are_warm_and_unknown_replicas_are_free
 
 
 def test_adapter_name_strips_the_registration_id():
-    assert adapter_name("my-lora@0a1b2c3d") == "my-lora" and adapter_name("plain") == "plain"
+    assert name_of("my-lora@0a1b2c3d") == "my-lora" and name_of("plain") == "plain"
 
 
 def test_the_optimistic_overlay_equals_an_eager_merge():
@@ -89,7 +90,7 @@ def test_the_optimistic_overlay_equals_an_eager_merge():
                                           enumerate(rng.choice(12, 3, replace=False))}, free=int(rng.integers(0, 2)))
                     for r in ids[: int(rng.integers(3, 7))]}
             v.apply_directory_reply({"epoch": "e", "version": version, "full": full})
-            resident = {r: {adapter_name(u) for u in st["resident"]} for r, st in full.items()}
+            resident = {r: {name_of(u) for u in st["resident"]} for r, st in full.items()}
             live = {(a, r): t for (a, r), t in live.items() if a not in resident.get(r, set())}  # confirmed
         for _ in range(int(rng.integers(0, 4))):
             a, r = names[int(rng.integers(12))], ids[int(rng.integers(6))]

@@ -17,7 +17,7 @@ def test_waiters_resume_oldest_first_and_timeouts_leave_the_line():
         # the newest goes to sleep first, as after a re-decision: it must still resume last
         tasks = [asyncio.create_task(request("new", 3.0)), asyncio.create_task(request("old", 1.0)),
                  asyncio.create_task(request("mid", 2.0)), asyncio.create_task(request("late", 0.5, timeout=0.01))]
-        await asyncio.sleep(0.05)           # "late" timed out and left the line
+        await tasks[3]                      # "late" timed out and left the line
         assert len(waiters) == 3
         assert waiters.first_in_line(0.9) and waiters.first_in_line(1.0) and not waiters.first_in_line(2.0)
         waiters.wake_all()

@@ -1,4 +1,4 @@
-"""The routing decision: expected completion time, rendezvous ties, waiting, base, agreement."""
+"""The routing decision: within the plan by expected completion time, spills, bounded waits, base, agreement."""
 
 import numpy as np
 import pytest
@@ -24,6 +24,14 @@ def order_of(adapter, ids=IDS):
     return [ids.index(r) for r in rendezvous_order(adapter, list(ids))]
 
 
+def planned_view(planned, holders=None, **kw):
+    ids = kw.get("ids", IDS)
+    v = view(holders, **kw)
+    v.planned = {a: tuple(sorted(r)) for a, r in planned.items()}
+    v.planned_on = [tuple(a for a, r in planned.items() if i in r) for i in range(len(ids))]
+    return v
+
+
 def test_a_holder_with_room_wins():
     decision = choose_replicas("a", view({"a": {2, 5}}), np.zeros(8), caps=CAPS)
     assert decision.kind == "affinity" and decision.tiers[0][0] in {2, 5}
@@ -39,47 +47,70 @@ def test_the_less_loaded_holder_wins():
     assert choose_replicas("a", view({"a": {2, 5}}), loads, caps=CAPS).tiers == [[first]]
 
 
-def test_a_cold_adapter_goes_to_its_rendezvous_replica_when_all_are_alike():
+def test_a_cold_adapter_goes_to_its_rendezvous_replica():
     decision = choose_replicas("cold", view(), np.zeros(8), caps=CAPS)
     assert decision.kind == "placement" and decision.tiers == [[order_of("cold")[0]]]
+    busy = np.zeros(8)
+    busy[order_of("cold")[0]] = 5  # not in the plan yet: a queue there does not spread it
+    assert choose_replicas("cold", view(), busy, caps=CAPS).tiers == [[order_of("cold")[0]]]
 
 
-def test_a_full_holder_with_a_cheap_load_elsewhere_spills_at_once():
-    """Work-conserving: an idle replica whose ECT is lower never waits behind a busy holder."""
-    order = order_of("hot")
-    loads = np.zeros(8)
-    loads[order[0]] = 8  # full: Serve would not send there now
-    decision = choose_replicas("hot", view({"hot": {order[0]}}, host_s=0.001, disk_s=0.002), loads, caps=CAPS,
-                               request_s=[0.2] * 8)
-    assert decision.kind == "spill" and not decision.wait
-    assert decision.tiers == [[order[1]]]  # the next in its rendezvous order: replicas of a hot adapter stay few
+def test_the_plan_wins_over_a_copy_outside_it():
+    """A planned replica that must load the adapter takes it rather than a replica outside the plan
+    that happens to hold a copy: copies outside the plan are what thrashing leaves behind."""
+    decision = choose_replicas("a", planned_view({"a": {3}}, {"a": {6}}), np.zeros(8), caps=CAPS)
+    assert decision.kind == "placement" and decision.tiers == [[3]]
 
 
-def test_a_full_holder_with_an_expensive_load_elsewhere_waits():
+def test_a_full_planned_replica_does_not_spill_for_a_blip():
+    """One request more than the holder's rows is a one-row wait, less than the spill margin: it waits."""
     order = order_of("hot")
     loads = np.zeros(8)
     loads[order[0]] = 8
-    decision = choose_replicas("hot", view({"hot": {order[0]}}, disk_s=1.0), loads, caps=CAPS, request_s=[0.2] * 8)
+    decision = choose_replicas("hot", view({"hot": {order[0]}}, host_s=0.001, disk_s=0.002), loads, caps=CAPS,
+                               request_s=[0.2] * 8)
     assert decision.wait and decision.tiers == [] and decision.best == order[0]
 
 
-def test_queue_wait_trades_against_load_time():
-    """The holder keeps the request until its queue wait exceeds the load elsewhere."""
-    loads = np.zeros(2)
+def test_a_sustained_queue_at_the_planned_replica_spills_to_an_idle_one():
+    order = order_of("hot")
+    loads = np.zeros(8)
+    loads[order[0]] = 8
+    v = planned_view({"hot": {order[0]}}, {"hot": {order[0]}}, host_s=0.001, disk_s=0.002)
+    decision = choose_replicas("hot", v, loads, caps=CAPS, request_s=[0.2] * 8, waiting={"hot": 12})
+    assert decision.kind == "spill" and not decision.wait  # 13 rows' wait (0.33 s) > a load + one request time
+    expensive = planned_view({"hot": {order[0]}}, {"hot": {order[0]}}, host_s=0.5, disk_s=1.0)
+    assert choose_replicas("hot", expensive, loads, caps=CAPS, request_s=[0.2] * 8, waiting={"hot": 12}).wait
+
+
+def test_no_spill_takes_a_row_owed_to_the_targets_own_adapters():
+    """At saturation every replica's free row belongs to requests planned there: nothing spills."""
     ids = IDS[:2]
-    v = view({"a": {0}}, disk_s=0.05, ids=ids)
-    kinds = []
-    for q in range(9):
-        loads[0] = q
-        kinds.append(choose_replicas("a", v, loads, RoutingConfig(tie_epsilon=0.0, batch_slowdown=0.02),
-                                     caps=[8, 8], request_s=[0.4, 0.4]).kind)
-    # sharing a batch costs q * 0.02 * 0.4 s; a difference under one co-running request's cost (8 ms) is a tie:
-    # q = 7 (56 ms vs the 50 ms load) still ties, q = 8 is full (a row's wait, 50 ms, on top)
-    assert kinds == ["affinity"] * 8 + ["spill"]
-    loads[0] = 6
-    loose = choose_replicas("a", v, loads, RoutingConfig(tie_epsilon=0.0, batch_slowdown=0.02), caps=[8, 8],
-                            request_s=[0.4, 0.4], batch_slowdown=0.05)  # measured: 6 * 20 ms > 50 ms + 20 ms
-    assert loose.kind == "spill"
+    v = planned_view({"a": {0}, "b": {1}}, {"a": {0}, "b": {1}}, ids=ids, host_s=0.001, disk_s=0.002)
+    owed = choose_replicas("a", v, [8, 6], caps=[8, 8], request_s=[0.2, 0.2], waiting={"a": 20, "b": 1})
+    assert owed.wait
+    one_row = choose_replicas("a", v, [8, 7], caps=[8, 8], request_s=[0.2, 0.2], waiting={"a": 20})
+    assert one_row.wait  # a single free row is a blip (a completion), not idle capacity
+    idle = choose_replicas("a", v, [8, 6], caps=[8, 8], request_s=[0.2, 0.2], waiting={"a": 20})
+    assert idle.kind == "spill" and idle.tiers == [[1]]
+
+
+def test_a_request_waits_in_the_router_at_most_its_bound():
+    """Past ``max_router_wait`` rows' waits (4 x 0.2 s / 8 = 0.1 s) any idle row takes it."""
+    ids = IDS[:2]
+    v = planned_view({"a": {0}}, {"a": {0}}, ids=ids)
+    cfg = RoutingConfig(max_router_wait=4.0)
+    assert choose_replicas("a", v, [8, 0], cfg, caps=[8, 8], request_s=[0.2, 0.2], waited_s=0.05).wait
+    late = choose_replicas("a", v, [8, 0], cfg, caps=[8, 8], request_s=[0.2, 0.2], waited_s=0.12)
+    assert late.tiers == [[1]] and late.kind == "spill"
+    assert choose_replicas("a", v, [8, 8], cfg, caps=[8, 8], request_s=[0.2, 0.2], waited_s=5.0).wait  # no row
+
+
+def test_work_conserving_within_the_planned_set():
+    loads = np.zeros(8)
+    loads[1] = 8
+    decision = choose_replicas("a", planned_view({"a": {1, 4}}, {"a": {1}}), loads, caps=CAPS)
+    assert decision.tiers == [[4]] and decision.kind == "placement"
 
 
 def test_a_free_row_costs_no_wait_and_a_full_replica_one_rows_worth():
@@ -93,17 +124,18 @@ def test_a_free_slot_beats_an_eviction_and_a_host_copy_beats_a_disk_read():
     order = order_of("x")
     free = [0] * 8
     free[order[2]] = 1
-    decision = choose_replicas("x", view(free=free), np.zeros(8), caps=CAPS)
+    both = {"x": {order[0], order[2]}}
+    decision = choose_replicas("x", planned_view(both, free=free), np.zeros(8), caps=CAPS)
     assert decision.tiers == [[order[2]]]
-    warm = choose_replicas("x", view(warm={"x": {order[3]}}, free=[0] * 8, host_s=0.001, disk_s=0.5),
-                           np.zeros(8), caps=CAPS)
+    warm = choose_replicas("x", planned_view({"x": {order[0], order[3]}}, warm={"x": {order[3]}}, free=[0] * 8,
+                                             host_s=0.001, disk_s=0.5), np.zeros(8), caps=CAPS)
     assert warm.tiers == [[order[3]]]
 
 
 def test_an_adapter_that_cannot_join_the_running_batch_goes_where_it_can():
     ids = IDS[:2]
     slots_busy = [{"b": 2, "c": 1}, {}]  # replica 0 runs two other adapters in its 2 slots
-    v = view({"a": {0}}, slots=2, free=[0, 1], residents=[("b", "c"), ()], ids=ids)
+    v = planned_view({"a": {0, 1}}, {"a": {0}}, slots=2, free=[0, 1], residents=[("b", "c"), ()], ids=ids)
     decision = choose_replicas("a", v, [3, 3], caps=[8, 8], active=slots_busy, request_s=[0.4, 0.4])
     assert decision.tiers == [[1]]
     joinable = [{"a": 1, "c": 1}, {}]
@@ -111,11 +143,11 @@ def test_an_adapter_that_cannot_join_the_running_batch_goes_where_it_can():
 
 
 def test_a_request_that_could_not_join_any_batch_waits_instead_of_holding_a_row():
-    """Both replicas' slots serve other adapters: sent anywhere, the request would hold a row its
+    """Both planned replicas' slots serve other adapters: sent anywhere, the request would hold a row its
     batch cannot use; it waits in the router, and goes as soon as a slot frees."""
     ids = IDS[:2]
     busy = [{"b": 2, "c": 1}, {"d": 1, "e": 1}]
-    v = view({"a": {0}}, slots=2, free=[0, 0], residents=[("b", "c"), ("d", "e")], ids=ids)
+    v = planned_view({"a": {0, 1}}, {"a": {0}}, slots=2, free=[0, 0], residents=[("b", "c"), ("d", "e")], ids=ids)
     decision = choose_replicas("a", v, [3, 2], caps=[8, 8], active=busy, request_s=[0.4, 0.4])
     assert decision.wait and decision.tiers == []
     patient = choose_replicas("a", v, [3, 2], caps=[8, 8], active=busy, request_s=[0.4, 0.4], waited_s=0.7)
@@ -128,7 +160,8 @@ def test_a_request_that_could_not_join_any_batch_waits_instead_of_holding_a_row(
 
 def test_evicting_an_adapter_in_demand_costs_its_reload():
     ids = IDS[:2]
-    v = view(free=[0, 0], residents=[("busy",), ("idle",)], host_s=0.01, disk_s=0.01, ids=ids)
+    v = planned_view({"new": {0, 1}}, free=[0, 0], residents=[("busy",), ("idle",)], host_s=0.01, disk_s=0.01,
+                     ids=ids)
     cfg = RoutingConfig(tie_epsilon=0.0)
     decision = choose_replicas("new", v, [0, 0], cfg, caps=[8, 8], demand={"busy": 5.0, "idle": 0.0})
     assert decision.tiers == [[1]] and decision.ect[0] > decision.ect[1]
@@ -139,8 +172,8 @@ def test_evicting_an_adapter_in_demand_costs_its_reload():
 def test_pinned_adapters_are_never_victims():
     """Replica 0's idle adapter is pinned, so its victim is the one in demand: both replicas cost a reload."""
     ids = IDS[:2]
-    v = view(free=[0, 0], slots=2, residents=[("p", "r"), ("q", "s")], pinned=[frozenset({"p"}), frozenset()],
-             host_s=0.01, disk_s=0.01, ids=ids)
+    v = planned_view({"new": {0, 1}}, free=[0, 0], slots=2, residents=[("p", "r"), ("q", "s")],
+                     pinned=[frozenset({"p"}), frozenset()], host_s=0.01, disk_s=0.01, ids=ids)
     decision = choose_replicas("new", v, [0, 0], RoutingConfig(tie_epsilon=0.0), caps=[8, 8], active=[{}, {}],
                                demand={"p": 0.0, "r": 5.0, "q": 5.0, "s": 5.0})
     assert decision.ect[0] == pytest.approx(decision.ect[1]) == pytest.approx(0.02)
@@ -174,10 +207,13 @@ for _ in range(300):
     loads = rng.integers(0, 9, 8).astype(float)
     holders = {f"a{i}": set(rng.choice(8, 2, replace=False).tolist()) for i in range(5)}
     warm = {f"a{i}": set(rng.choice(8, 1).tolist()) for i in range(3, 8)}
+    planned = {f"a{i}": tuple(sorted(rng.choice(8, 2, replace=False).tolist())) for i in range(0, 10, 2)}
     view = FleetView(ids, holders=holders, warm=warm, free_slots=rng.integers(0, 2, 8), slots=[4] * 8,
-                     host_load_s=[0.01] * 8, disk_load_s=[1.0] * 8)
+                     host_load_s=[0.01] * 8, disk_load_s=[rng.choice([0.001, 1.0])] * 8, planned=planned,
+                     planned_on=[tuple(a for a, r in planned.items() if i in r) for i in range(8)])
+    waiting = {f"a{i}": int(rng.integers(0, 30)) for i in range(10)}
     d = choose_replicas(f"a{rng.integers(0, 10)}", view, loads, caps=[8] * 8,
-                        request_s=rng.uniform(0.1, 0.5, 8).tolist())
+                        request_s=rng.uniform(0.1, 0.5, 8).tolist(), waiting=waiting)
     out.append([d.kind, [[int(i) for i in tier] for tier in d.tiers]])
 print(json.dumps(out))
 """
@@ -231,10 +267,9 @@ def test_empty_fleet():
 
 
 @pytest.mark.parametrize("n", [1, 2, 64, 1024])
-def test_the_choice_is_a_valid_index_and_large_fleets_score_holders(n):
+def test_the_choice_is_a_valid_index_and_a_decision_scores_only_the_planned_set(n):
     ids = tuple(f"r{i}" for i in range(n))
     loads = np.arange(n, dtype=float) % 8
     decision = choose_replicas("a", FleetView(ids, holders={"a": {n - 1}}), loads, caps=[8] * n)
     assert decision.tiers and all(0 <= i < n for t in decision.tiers for i in t)
-    assert n - 1 in decision.ect  # the holder is always a candidate, however large the fleet
-    assert len(decision.ect) <= max(n, 16)
+    assert set(decision.ect) == {n - 1}  # the holder is the (fallback) plan, however large the fleet

@@ -16,6 +16,7 @@ import pytest
 
 from pool.errors import SourceUnavailableError
 from pool.sources import NodeDownloadCache
+from waiting import wait_until
 
 from benchmarks.local_s3 import LocalS3Server, s3_client, upload_folder
 
@@ -26,25 +27,44 @@ def write_files(folder: Path) -> None:
     (folder / "adapter_config.json").write_text('{"r": 4}')
 
 
+def open_handles(path: Path) -> int:
+    """How many file descriptors of this process point at ``path`` (Linux: /proc/self/fd)."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{fd}") == str(path)
+        except OSError:  # closed meanwhile
+            pass
+    return count
+
+
 def test_threads_download_an_entry_once(tmp_path):
     cache = NodeDownloadCache(tmp_path)
+    key = ("s3", "b", "k", "v1")
+    lock = tmp_path / "s3" / "b" / "k" / "v1.lock"
     calls: list[int] = []
+    downloaded_at: list[float] = []
 
-    def slow_download(folder: Path) -> None:
+    def download_once_all_wait(folder: Path) -> None:
         calls.append(1)
-        time.sleep(0.2)
+        # hold the lock until every thread has the lock file open: all six are at the lock, none passed it
+        wait_until(lambda: open_handles(lock) == 6, 30, "all six threads at the download lock")
         write_files(folder)
+        downloaded_at.append(time.monotonic())
 
-    results = []
-    threads = [threading.Thread(target=lambda: results.append(cache.get(("s3", "b", "k", "v1"), slow_download)))
+    results: list[tuple[object, float]] = []
+    threads = [threading.Thread(target=lambda: results.append((cache.get(key, download_once_all_wait),
+                                                               time.monotonic())))
                for _ in range(6)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert len(calls) == 1 and sum(r.downloaded for r in results) == 1
-    assert {r.folder for r in results} == {tmp_path / "s3" / "b" / "k" / "v1"}
-    assert max(r.waited_s for r in results) >= 0.1   # the others waited on the lock, then found the entry
+    fetches = [fetch for fetch, _ in results]
+    assert len(calls) == 1 and sorted(f.downloaded for f in fetches) == [False] * 5 + [True]
+    assert {f.folder for f in fetches} == {tmp_path / "s3" / "b" / "k" / "v1"}
+    # the other five waited on the lock, then found the entry the first one wrote
+    assert all(returned_at >= downloaded_at[0] for _, returned_at in results)
 
 
 def test_a_failed_download_leaves_nothing_and_the_next_caller_retries(tmp_path):
@@ -98,9 +118,7 @@ def test_replica_processes_on_a_node_download_once(demo_assets, tmp_path):
         procs = [subprocess.Popen([sys.executable, "-c", REPLICA, "s3://fleet/adapters/demo-2", str(go)], cwd=REPO,
                                   env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for _ in range(4)]
-        deadline = time.monotonic() + 120
-        while len(list(tmp_path.glob("go.ready-*"))) < len(procs) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: len(list(tmp_path.glob("go.ready-*"))) == len(procs), 120, "every process to be ready")
         go.touch()   # every process has imported everything: they ask at the same moment
         outs = []
         for p in procs:

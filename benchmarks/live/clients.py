@@ -28,19 +28,30 @@ class LoadClient:
     def pid(self) -> int:
         return os.getpid()
 
-    async def run(self, requests: list[tuple[str, str, int]], concurrency: int) -> dict:
-        """Send ``(adapter, prompt, max_tokens)`` requests from ``concurrency`` closed-loop clients."""
-        from engine.request import GenerateRequest
+    async def run(self, requests: list[tuple[str, str, int]], concurrency: int, stream: bool = False) -> dict:
+        """Send ``(adapter, prompt, max_tokens)`` requests from ``concurrency`` closed-loop clients;
+        ``stream``: through ``generate_stream``, timing the first token too (``ttfts``)."""
+        from engine.request import GenerateRequest, GenerateResult
 
         latencies = [0.0] * len(requests)
+        ttfts = [0.0] * len(requests)
         replicas: list[Optional[str]] = [None] * len(requests)
         errors: list[str] = []
         next_index = 0
 
-        def send(adapter: str, prompt: str, max_tokens: int):
+        def handle_for(adapter: str):
+            return self.handle.options(multiplexed_model_id=adapter) if self.multiplexed else self.handle
+
+        async def send(i: int, adapter: str, prompt: str, max_tokens: int, started: float) -> GenerateResult:
             request = GenerateRequest(adapter=adapter, prompt=prompt, max_tokens=max_tokens, temperature=0.0)
-            handle = self.handle.options(multiplexed_model_id=adapter) if self.multiplexed else self.handle
-            return handle.generate.remote(request)
+            if not stream:
+                return await handle_for(adapter).generate.remote(request)
+            result = None
+            async for item in handle_for(adapter).options(stream=True).generate_stream.remote(request):
+                if not ttfts[i]:
+                    ttfts[i] = time.perf_counter() - started
+                result = item
+            return result
 
         async def client():
             nonlocal next_index
@@ -49,7 +60,7 @@ class LoadClient:
                 next_index += 1
                 started = time.perf_counter()
                 try:
-                    result = await send(*requests[i])
+                    result = await send(i, *requests[i], started)
                     replicas[i] = result.replica_id
                 except Exception as exc:  # counted and reported, never silently dropped
                     errors.append(f"{type(exc).__name__}: {exc}"[:200])
@@ -57,7 +68,7 @@ class LoadClient:
 
         cpu, started = time.process_time(), time.perf_counter()
         await asyncio.gather(*(client() for _ in range(max(1, concurrency))))
-        return {"latencies": latencies, "replicas": replicas, "errors": errors,
+        return {"latencies": latencies, "ttfts": ttfts if stream else [], "replicas": replicas, "errors": errors,
                 "wall_s": time.perf_counter() - started, "cpu_s": time.process_time() - cpu}
 
     def decisions(self) -> dict:

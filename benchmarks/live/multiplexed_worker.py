@@ -97,16 +97,27 @@ class MultiplexedLoRAWorker:
         self.mux_unloads += 1
         self.mux_unload_seconds += time.perf_counter() - started
 
-    async def generate(self, request: GenerateRequest) -> GenerateResult:
+    async def _ensure_model(self, request: GenerateRequest) -> None:
         name = serve.get_multiplexed_model_id() or request.adapter
         if name is not None:
             if name != request.adapter:
                 raise ValueError(f"multiplexed_model_id {name!r} differs from the request's adapter "
                                  f"{request.adapter!r}")
             await self.get_adapter(name)  # no await point between this and submit: no unload can intervene
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        await self._ensure_model(request)
         result = await self.engine.generate(request)
         result.replica_id = self.replica_id
         return result
+
+    async def generate_stream(self, request: GenerateRequest):
+        """As ``LoRAWorker.generate_stream``: deltas, then the result (TTFT measurements)."""
+        await self._ensure_model(request)
+        async for item in self.engine.generate_stream(request, with_result=True):
+            if isinstance(item, GenerateResult):
+                item.replica_id = self.replica_id
+            yield item
 
     def stats(self) -> dict:
         """This replica's pool snapshot plus the multiplexer's own counts."""

@@ -137,9 +137,12 @@ class CpuFleet:
         self.feed: Optional[DirectoryFeed] = None
         listener = None
         if self.router.uses_view:
-            self.feed = DirectoryFeed(lambda: self.now, cfg.lag_s)
+            self.feed = DirectoryFeed(lambda: self.now, cfg.lag_s, cfg.max_batch)
             listener = self.feed.on_pool_event
         self.replicas = [_Replica(i, rid, cfg, self._fetch, listener) for i, rid in enumerate(self.ids)]
+        if self.feed is not None:
+            for replica in self.replicas:
+                self.feed.join(replica.rid, replica.pool.snapshot())
         self.requests = [SimRequest(i, a, 0.0, len(p), n, 16) for i, (a, p, n) in enumerate(requests)]
         self.concurrency = concurrency
         self.heap: list = []
@@ -275,6 +278,8 @@ class CpuFleet:
         self.ongoing[replica.idx] -= 1
         replica.pool.retain_batch(replica.sched.running_uids())
         self.done += 1
+        if self.feed is not None:
+            self.feed.record_busy(replica.rid, req.uid, self.now - req.t_dispatch)
         self.router.finished(req)
         if self.router.waits_for_capacity:
             for waiting in list(self.active):

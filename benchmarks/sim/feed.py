@@ -2,24 +2,46 @@
 
 Pool events are buffered with their simulated time; ``sync`` hands the events at least
 ``lag_s`` old to a real ``AdapterDirectory`` and gives the router the directory's
-``changes_since`` delta (a long poll returns only when there is news).
+``changes_since`` delta (a long poll returns only when there is news). Completed requests'
+busy seconds reach the directory as the workers' heartbeats carry them, and every
+``plan_interval_s`` the directory re-plans placement (``routing.plan``, as the live directory
+does once a second); a changed plan rides on the next reply.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from typing import Callable
 
 from routing.directory import AdapterDirectory
 
 
 class DirectoryFeed:
-    def __init__(self, clock: Callable[[], float], lag_s: float):
+    def __init__(self, clock: Callable[[], float], lag_s: float, rows: int, plan_interval_s: float = 1.0):
         self.clock = clock
         self.lag_s = lag_s
+        self.plan_interval_s = plan_interval_s
         self.directory = AdapterDirectory(clock=clock, replica_timeout_s=float("inf"))
+        self.directory.planner.default_rows = rows  # what a live worker's heartbeat says: its max batch
         self.pending: deque = deque()
         self.version = -1
+        self.plan_version = -1
+        self._planned_at = float("-inf")
+        self._busy: dict[str, Counter] = {}  # replica -> adapter -> request-seconds not yet reported
+
+    def join(self, replica_id: str, snapshot) -> None:
+        """A replica starts: its first report (a snapshot), as a live worker's at start, so the plan
+        can place adapters on it before its pool has loaded anything."""
+        self.directory.apply_snapshot(snapshot)
+
+    def leave(self, replica_id: str) -> None:
+        """A replica stops taking traffic: its goodbye (the plan forgets it at once)."""
+        self.directory.forget_replica(replica_id)
+
+    def record_busy(self, replica_id: str, adapter: str, seconds: float) -> None:
+        """A request finished on ``replica_id`` after ``seconds`` there (the worker's busy accounting)."""
+        self._busy.setdefault(replica_id, Counter())[adapter] += seconds
+
 
     def on_pool_event(self, event) -> None:
         self.pending.append((self.clock(), event))
@@ -40,12 +62,22 @@ class DirectoryFeed:
         d = self.directory
         for rid, events in batch.items():
             d.apply_events(rid, events)
+        busy, self._busy = self._busy, {}
+        for rid, seconds in busy.items():
+            if rid in d.replicas:  # a replica first heard of by heartbeat would need a resync
+                d.heartbeat(rid, busy_s=seconds)
+        if self.clock() - self._planned_at >= self.plan_interval_s:
+            self._planned_at = self.clock()
+            d.update_plan()
         version, changes = d.changes_since(self.version)
         if changes is None:
             reply = {"epoch": "sim", "version": version, "full": d.full_view()}
-        elif changes:
+        elif changes or d.plan.version != self.plan_version:
             reply = {"epoch": "sim", "version": version, "changes": changes}
         else:
             return
+        if d.plan.version != self.plan_version:
+            reply["plan"] = d.plan.to_dict()
+            self.plan_version = d.plan.version
         router.apply_directory_reply(reply)
         self.version = version

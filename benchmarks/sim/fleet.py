@@ -137,10 +137,13 @@ class Simulator:
         self.directory: Optional[AdapterDirectory] = None
         self._listener = None
         if self.router.uses_view:
-            self.feed = DirectoryFeed(lambda: self.now, config.lag_s)
+            self.feed = DirectoryFeed(lambda: self.now, config.lag_s, config.max_batch)
             self.directory = self.feed.directory
             self._listener = self.feed.on_pool_event
         self.replicas = [SimReplica(i, rid, config, self._fetch, self._listener) for i, rid in enumerate(self.ids)]
+        if self.feed is not None:
+            for replica in self.replicas:
+                self.feed.join(replica.rid, replica.pool.snapshot())
         self.routable = list(range(config.replicas))  # replica index per position in ``ids``
         self.heap: list = []
         self._seq = 0
@@ -177,6 +180,8 @@ class Simulator:
         idx = len(self.replicas)
         replica = SimReplica(idx, f"replica-{idx:04d}", self.config, self._fetch, self._listener)
         self.replicas.append(replica)
+        if self.feed is not None:
+            self.feed.join(replica.rid, replica.pool.snapshot())
         return replica
 
     def set_routable(self, indices) -> None:
@@ -186,6 +191,9 @@ class Simulator:
         if not order or not all(0 <= i < len(self.replicas) for i in order):
             raise ValueError(f"routable replicas must be a non-empty subset of 0..{len(self.replicas) - 1}, "
                              f"got {sorted(set(indices))}")
+        if self.feed is not None:
+            for i in set(self.routable) - set(order):
+                self.feed.leave(self.replicas[i].rid)
         self.routable = order
         self.ids = tuple(self.replicas[i].rid for i in order)
         self.ongoing = np.array([self.replicas[i].ongoing for i in order], dtype=np.float64)
@@ -255,6 +263,8 @@ class Simulator:
         else:
             replica.pool.release_batch()
         self.done += 1
+        if self.feed is not None:
+            self.feed.record_busy(replica.rid, req.uid, self.now - req.t_dispatch)
         self.router.finished(req)
         self._admit(replica)
         if self.waiting:

@@ -1,7 +1,8 @@
 """In-process cost of one routing decision: routing.policy.choose_replicas beside a power-of-two choice.
 
-The view is what a router holds in a warm fleet: every replica's slots full of adapters
-drawn from the workload's popularity, loads 0..max_batch-1. Each call is timed on its
+The view is what a router holds in a warm fleet: the directory's placement plan for the
+workload's popularity (``routing.plan``, half of every replica's rows busy), every replica's
+slots full of the adapters planned there, loads 0..max_batch-1. Each call is timed on its
 own with ``perf_counter_ns`` (timer overhead, ~50-100 ns, included), garbage collector
 on, as in service.
 
@@ -23,6 +24,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from routing.plan import FleetPlanner, ReplicaSlots
 from routing.policy import RoutingConfig, choose_replicas
 from routing.router_state import LocalRouterState
 from routing.view import RouterView
@@ -51,18 +53,23 @@ def measure(replicas: int, adapters: int = 10_000, *, calls: int = 20_000,
     rng = np.random.default_rng(seed)
     ids = tuple(f"replica-{i:04d}" for i in range(replicas))
     probs = popularity.probabilities(adapters)
-    full = {}
-    for r in ids:
-        chosen = rng.choice(adapters, size=slots, replace=False, p=probs)
-        full[r] = _state(r, [adapter_uid(int(a)) for a in chosen])
-    reply = {"epoch": "bench", "version": 1, "full": full}
+    # the directory's plan for this demand (half of every replica's rows busy), and pools that hold it
+    busy = replicas * max_batch / 2
+    demand = {adapter_uid(a): float(p) * busy for a, p in enumerate(probs.tolist())}
+    plan = FleetPlanner(default_rows=max_batch).update(0.0, demand, [ReplicaSlots(r, slots, max_batch) for r in ids])
+    planned_on: dict[str, list[str]] = {r: [] for r in ids}
+    for name, holders in plan.holders.items():
+        for r in holders:
+            planned_on[r].append(name)
+    full = {r: _state(r, planned_on[r][:slots]) for r in ids}
+    reply = {"epoch": "bench", "version": 1, "full": full, "plan": plan.to_dict()}
     asked = [adapter_uid(int(a)) for a in popularity.sample(calls, adapters, rng)]
     loads = rng.integers(0, max_batch, replicas).astype(np.float64)
     config = RoutingConfig(default_max_ongoing=max_batch)
     now = [0.0]
     view = RouterView(ttl_s=3.0, clock=lambda: now[0])
     view.apply_directory_reply(reply)
-    fleet = view.fleet_view(ids)  # built once; no adapter asked: the cached view itself
+    fleet = view.fleet_view(ids)  # built once; no adapter asked: the cached view itself (the plan included)
     local = LocalRouterState(clock=lambda: now[0])
     for k, a in enumerate(asked[:optimistic]):  # this router's recent traffic: running adapters, times, demand
         local.routed(str(k), ids[int(rng.integers(replicas))], a)

@@ -1,7 +1,7 @@
 """The routers the simulator compares.
 
 ``affinity`` is this project's router: ``routing.view.RouterView`` (fed by the real
-``AdapterDirectory``'s deltas, plus its own optimistic decisions), the same
+``AdapterDirectory``'s deltas and placement plan, plus its own optimistic decisions), the same
 ``routing.router_state.LocalRouterState`` the Serve router keeps (requests in flight and
 their adapters, request times, demand) and ``routing.policy.choose_replicas``. A request
 whose best replica is full waits for capacity, as in ``routing.ray_router``: it decides
@@ -33,6 +33,7 @@ Every other router backs off like Serve (25 ms doubling to 0.5 s) when it finds 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import Counter
 from collections.abc import Mapping
 from typing import Optional, Protocol
 
@@ -111,6 +112,8 @@ class AffinityRouter(_ViewRouter):
                                     host_load_s=host_s, disk_load_s=disk_s, default_request_s=request_s)
         self.local = LocalRouterState(clock=lambda: sim.now)
         self.caps = [float(sim.max_ongoing)] * len(sim.ids)
+        self.waiting: Counter = Counter()  # adapter -> requests waiting for a planned row (as the live router)
+        self._counted: set[int] = set()
 
     def replicas_changed(self):
         self.caps = [float(self.sim.max_ongoing)] * len(self.sim.ids)
@@ -122,10 +125,19 @@ class AffinityRouter(_ViewRouter):
                                    caps=self.caps, request_s=local.request_s_by_index(ids),
                                    active=local.active_by_index(ids), demand=local.demand,
                                    last_used=local.last_used_by_index(ids),
-                                   batch_slowdown=local.batch_slowdown(), waited_s=now - req.arrival)
+                                   batch_slowdown=local.batch_slowdown(), waited_s=now - req.arrival,
+                                   waiting=self.waiting)
         if not decision.tiers:
             self._count("wait")
+            if req.i not in self._counted:
+                self._counted.add(req.i)
+                self.waiting[req.uid] += 1
             return None
+        if req.i in self._counted:
+            self._counted.discard(req.i)
+            self.waiting[req.uid] -= 1
+            if not self.waiting[req.uid]:
+                del self.waiting[req.uid]
         i = decision.tiers[0][0]
         self._count(decision.kind)
         self.view.record_decision(req.uid, ids[i])

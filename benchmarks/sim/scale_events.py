@@ -64,7 +64,9 @@ def add_replica(sim: Simulator, warm: bool, joins: list[Join]) -> SimReplica:
     if warm:
         held = Counter({uid: len(rids) for uid, rids in _holders(sim).items()})
         placements = [AdapterPlacement(uid, 0, n) for uid, n in sorted(held.items())]
-        plan = warm_start_plan(replica.rid, sim.ids, placements, sim.config.slots, sim.config.slots)
+        planned = (sim.directory.planned_for(replica.rid, sim.config.slots, sim.config.max_batch)
+                   if sim.directory is not None else None)  # the placement plan, where the router has one
+        plan = warm_start_plan(replica.rid, sim.ids, placements, sim.config.slots, sim.config.slots, planned)
         slots, host = plan.slots, plan.host
         costs = sim.config.costs
         if slots:

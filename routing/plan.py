@@ -1,0 +1,251 @@
+"""The fleet placement plan: which replicas should hold each adapter, decided in one place.
+
+Per-request routing cannot keep a fleet from thrashing: every router sees a queue blip at an
+adapter's holder and places another copy elsewhere, evicting something in use there. So the
+directory (one writer, read by every router) keeps a plan, and routers route within it:
+
+- **How many holders.** An adapter's demand is its mean number of requests in service across
+  the fleet (busy request-seconds per second, as the workers measure them: Little's law, so no
+  service time has to be guessed). Divided by a replica's row count it is the adapter's need in
+  replicas; it is planned on ``ceil(need / target_utilization)`` replicas (at least one).
+- **Hysteresis.** A count that wants to grow must want it for ``grow_after_s`` first, one that
+  wants to shrink for ``shrink_after_s``; a one-request blip never moves a placement.
+- **Which holders.** Pinned adapters first, on the replicas that pin them. Then the others,
+  neediest first, each on the least loaded replicas with a slot left in their budget, where
+  a replica that is already a planned holder costs nothing extra, one that has the adapter
+  resident or in its host tier a little, and any other ``move_margin`` replicas of load.
+  Planned holders keep their slots first (a newcomer never takes a placement's budget), and a
+  holder stays planned while the count holds unless its replica has been overloaded (more than
+  ``overload_share`` above the fleet's mean load and ``overload_floor`` replicas of load) for
+  ``overload_after_s`` (at once when a replica has just joined): a demand blip moves nothing,
+  since each move is a load and an eviction somewhere, but a replica that joins (or a lasting
+  imbalance) takes placements from the most loaded. Budget per replica: its slots, minus one
+  when the planned copies do not all fit (that slot serves what the plan could not place:
+  without it every such request would evict a planned adapter, which then reloads). An
+  adapter that finds no budget is still planned, on the least loaded replica (it will load
+  there on demand, into the spare slot).
+
+Pure, deterministic (sorted inputs, ties by replica id), no Ray. The directory runs it; the
+simulator runs the same class.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+from typing import Mapping, Optional, Sequence
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    target_utilization: float = 0.75  # a planned holder is meant to spend this share of its rows on the adapter
+    grow_after_s: float = 5.0         # a wanted extra holder must be wanted this long before it is added
+    shrink_after_s: float = 30.0      # a holder no longer needed goes after this cool-down
+    forget_below: float = 0.0005      # adapters needing less than this share of a replica ...
+    forget_after_s: float = 120.0     # ... for this long leave the plan (a tail adapter keeps its place)
+    move_margin: float = 0.25         # replicas of load a placement must gain before it moves
+    overload_share: float = 0.5       # a holder more loaded than the mean by this share (and by
+    overload_floor: float = 0.1       # ... this many replicas of load) for overload_after_s
+    overload_after_s: float = 30.0    # ... hands placements to the least loaded
+
+
+@dataclass(frozen=True)
+class ReplicaSlots:
+    """One replica as the planner sees it (names, not uids)."""
+
+    replica_id: str
+    slots: int
+    rows: int = 0                     # requests it runs at once (0: unknown, the planner's default)
+    resident: frozenset = frozenset()
+    pinned: frozenset = frozenset()
+    warm: frozenset = frozenset()     # in the host tier: a load there is a copy, not a read
+
+
+@dataclass(frozen=True)
+class PlacementPlan:
+    version: int = 0
+    holders: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # adapter -> planned replica ids
+
+    def to_dict(self) -> dict:
+        return {"version": self.version, "holders": {a: list(r) for a, r in self.holders.items()}}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "PlacementPlan":
+        return cls(int(d.get("version", 0)), {a: tuple(r) for a, r in (d.get("holders") or {}).items()})
+
+
+class FleetPlanner:
+    """Keeps the plan and its hysteresis timers; ``update`` is called every few seconds."""
+
+    def __init__(self, config: PlanConfig = PlanConfig(), default_rows: int = 8):
+        self.config = config
+        self.default_rows = default_rows
+        self.plan = PlacementPlan()
+        self._count: dict[str, int] = {}       # adapter -> planned holder count
+        self._since: dict[str, float] = {}     # adapter -> since when its wanted count differs from _count
+        self._low_since: dict[str, float] = {}  # adapter -> since when its need is below forget_below
+        self._over_since: dict[str, float] = {}  # replica -> since when its planned load is above the bound
+        self._replica_ids: set[str] = set()
+
+    def update(self, now: float, demand: Mapping[str, float], replicas: Sequence[ReplicaSlots]) -> PlacementPlan:
+        """A new plan (a new version only when some adapter's holders changed).
+
+        ``demand``: adapter -> requests in service on average across the fleet."""
+        replicas = sorted(replicas, key=lambda r: r.replica_id)
+        if not replicas:
+            return self.plan
+        rows = [r.rows or self.default_rows for r in replicas]
+        mean_rows = sum(rows) / len(rows)
+        need = {a: d / mean_rows for a, d in demand.items() if d > 0}
+        pinned_on: dict[str, list[int]] = {}
+        for i, r in enumerate(replicas):
+            for name in r.pinned:
+                pinned_on.setdefault(name, []).append(i)
+        counts = self._counts(now, need, len(replicas), pinned_on)
+        ids = {r.replica_id for r in replicas}
+        joined = bool(self._replica_ids) and not ids <= self._replica_ids  # a replica joined: rebalance now
+        self._replica_ids = ids
+        holders = self._assign(now, counts, need, replicas, pinned_on, joined)
+        if holders != dict(self.plan.holders):
+            self.plan = PlacementPlan(self.plan.version + 1, holders)
+        return self.plan
+
+    # ------------------------------------------------------------------ how many holders
+
+    def _counts(self, now: float, need: Mapping[str, float], n: int,
+                pinned_on: Mapping[str, list[int]]) -> dict[str, int]:
+        cfg = self.config
+        for name in list(self._count):
+            if need.get(name, 0.0) >= cfg.forget_below or name in pinned_on:
+                self._low_since.pop(name, None)
+            elif now - self._low_since.setdefault(name, now) >= cfg.forget_after_s:
+                del self._count[name]  # out of demand for a cool-down: leaves the plan
+                self._since.pop(name, None)
+                self._low_since.pop(name, None)
+        for name, x in need.items():
+            wanted = min(n, max(1, math.ceil(x / cfg.target_utilization - 1e-9), len(pinned_on.get(name, ()))))
+            current = self._count.get(name)
+            if current is None:
+                if x >= cfg.forget_below or name in pinned_on:
+                    self._count[name] = wanted  # a first placement moves nothing
+                continue
+            if wanted == current:
+                self._since.pop(name, None)
+                continue
+            delay = cfg.grow_after_s if wanted > current else cfg.shrink_after_s
+            if now - self._since.setdefault(name, now) >= delay:
+                self._count[name] = wanted
+                self._since.pop(name, None)
+        for name, on in pinned_on.items():
+            self._count[name] = max(self._count.get(name, 1), len(on))
+        return {a: min(c, n) for a, c in self._count.items()}
+
+    # ------------------------------------------------------------------ which holders
+
+    def _assign(self, now: float, counts: Mapping[str, int], need: Mapping[str, float],
+                replicas: Sequence[ReplicaSlots], pinned_on: Mapping[str, list[int]],
+                joined: bool = False) -> dict[str, tuple[str, ...]]:
+        cfg = self.config
+        n = len(replicas)
+        index = {r.replica_id: i for i, r in enumerate(replicas)}
+        previous = {a: {index[r] for r in rs if r in index} for a, rs in self.plan.holders.items()}
+        wanted_copies = sum(counts.values())
+        spare = 1 if wanted_copies > sum(r.slots for r in replicas) else 0
+        budget = [max(0, r.slots - spare) for r in replicas]
+        load = [0.0] * n
+        chosen: dict[str, list[int]] = {}
+        for name in sorted(pinned_on):  # pins hold their slots wherever they are pinned
+            share = need.get(name, 0.0) / max(1, counts.get(name, 1))
+            for i in pinned_on[name]:
+                budget[i] -= 1
+                load[i] += share
+            chosen[name] = list(pinned_on[name])
+        known: dict[str, set[int]] = {}  # adapter -> replicas where it is resident or in the host tier
+        for i, r in enumerate(replicas):
+            for name in (*r.resident, *r.warm):
+                known.setdefault(name, set()).add(i)
+        heap = [(load[i], i) for i in range(n) if budget[i] > 0]  # least loaded with budget (lazily updated)
+        anywhere = [(load[i], i) for i in range(n)]  # least loaded, budget or not
+        heapq.heapify(heap)
+        heapq.heapify(anywhere)
+        no_limit = [1] * n
+        mean = sum(need.get(a, 0.0) for a in counts) / n
+        overloaded = mean + max(cfg.overload_share * mean, cfg.overload_floor)
+        shedding = {i for i, r in enumerate(replicas)
+                    if joined or now - self._over_since.get(r.replica_id, now) >= cfg.overload_after_s}
+        order = sorted((a for a in counts if a not in pinned_on or counts[a] > len(pinned_on[a])),
+                       key=lambda a: (-need.get(a, 0.0), a))
+        share = {a: need.get(a, 0.0) / counts[a] for a in order}
+
+        def take(name: str, i: int, budgeted: bool = True) -> None:
+            chosen.setdefault(name, []).append(i)
+            load[i] += share[name]
+            heapq.heappush(anywhere, (load[i], i))
+            if budgeted:
+                budget[i] -= 1
+                heapq.heappush(heap, (load[i], i))
+
+        # first every planned holder keeps its slot (so no placement loses its budget to a newcomer),
+        # except on a replica that has been overloaded for overload_after_s: it keeps what fits
+        for name in order:
+            picked = chosen.setdefault(name, [])
+            for i in sorted(previous.get(name, ()), key=lambda i: replicas[i].replica_id):
+                if len(picked) < counts[name] and budget[i] > 0 and i not in picked and (
+                        i not in shedding or load[i] + share[name] <= overloaded):
+                    take(name, i)
+        # then the holders still missing, the cheapest first
+        for name in order:
+            k, picked, prev = counts[name], chosen[name], previous.get(name, set())
+            cost = lambda i: (load[i] + _move_cost(name, i, prev, replicas, cfg.move_margin),  # noqa: E731
+                              replicas[i].replica_id)
+            while len(picked) < k:
+                cands = {i for i in known.get(name, set()) if budget[i] > 0}
+                cands.update(_least_loaded(heap, load, budget, k + 2))
+                cands.difference_update(picked)
+                if not cands:
+                    break
+                take(name, min(cands, key=cost))
+            if not picked:  # no budget anywhere: loaded on demand where it was planned, else the least loaded
+                kept = [i for i in prev if i not in shedding]
+                take(name, min(kept or _least_loaded(anywhere, load, no_limit, 2), key=cost), budgeted=False)
+        for i, r in enumerate(replicas):
+            if load[i] > overloaded:
+                self._over_since.setdefault(r.replica_id, now)
+            else:
+                self._over_since.pop(r.replica_id, None)
+        return {name: tuple(sorted(replicas[i].replica_id for i in picked)) for name, picked in sorted(chosen.items())
+                if picked}
+
+
+def _move_cost(name: str, i: int, previous: set, replicas: Sequence[ReplicaSlots], margin: float) -> float:
+    if i in previous:
+        return 0.0
+    r = replicas[i]
+    if name in r.resident:
+        return 0.25 * margin
+    if name in r.warm:
+        return 0.5 * margin
+    return margin
+
+
+def _least_loaded(heap: list, load: Sequence[float], budget: Sequence[int], m: int) -> list[int]:
+    """The ``m`` least loaded replicas that still have budget (lazy heap: stale entries are dropped)."""
+    out: list[int] = []
+    keep: list[tuple[float, int]] = []
+    while heap and len(out) < m:
+        value, i = heapq.heappop(heap)
+        if budget[i] <= 0 or value != load[i] or i in out:
+            continue
+        out.append(i)
+        keep.append((value, i))
+    for entry in keep:
+        heapq.heappush(heap, entry)
+    return out
+
+
+def planned_indices(plan: Optional[PlacementPlan], name: str, index: Mapping[str, int]) -> tuple[int, ...]:
+    """The plan's holders of ``name`` among the replicas a router can use, as indexes."""
+    if plan is None:
+        return ()
+    return tuple(index[r] for r in plan.holders.get(name, ()) if r in index)

@@ -1,0 +1,150 @@
+"""The fleet placement plan: holder counts from demand, budgets, pins, hysteresis, stability, determinism."""
+
+from collections import Counter
+
+from hypothesis import given, settings, strategies as st
+
+from routing.directory import AdapterDirectory
+from routing.plan import FleetPlanner, PlacementPlan, PlanConfig, ReplicaSlots
+
+DEMO = [f"demo-{i}" for i in range(6)]
+
+
+def replicas(n=2, slots=3, per=None):
+    return [ReplicaSlots(f"r{i}", slots, rows=8, **(per or {}).get(i, {})) for i in range(n)]
+
+
+def per_replica(plan: PlacementPlan) -> Counter:
+    return Counter(r for rs in plan.holders.values() for r in rs)
+
+
+def test_the_demo_working_set_is_partitioned_over_the_slots():
+    """Six adapters, two replicas of three slots, uniform demand: one holder each, three per replica."""
+    plan = FleetPlanner().update(0.0, {a: 0.5 for a in DEMO}, replicas())
+    assert all(len(rs) == 1 for rs in plan.holders.values()) and set(plan.holders) == set(DEMO)
+    assert per_replica(plan) == {"r0": 3, "r1": 3}
+
+
+def test_pins_are_planned_where_they_are_pinned_and_use_the_budget():
+    reps = replicas(per={1: {"pinned": frozenset({"demo-0"}), "resident": frozenset({"demo-0"})}})
+    plan = FleetPlanner().update(0.0, {a: 0.5 for a in DEMO}, reps)
+    assert plan.holders["demo-0"] == ("r1",) and per_replica(plan) == {"r0": 3, "r1": 3}
+    idle_pin = FleetPlanner().update(0.0, {}, reps)  # a pin is planned without demand
+    assert idle_pin.holders == {"demo-0": ("r1",)}
+
+
+def test_residency_is_kept_when_loads_are_alike():
+    reps = replicas(per={0: {"resident": frozenset({"demo-3", "demo-4", "demo-5"})},
+                         1: {"resident": frozenset({"demo-0", "demo-1", "demo-2"})}})
+    plan = FleetPlanner().update(0.0, {a: 0.5 for a in DEMO}, reps)
+    assert {a: rs[0] for a, rs in plan.holders.items()} == {
+        "demo-0": "r1", "demo-1": "r1", "demo-2": "r1", "demo-3": "r0", "demo-4": "r0", "demo-5": "r0"}
+
+
+def test_a_hot_adapter_gets_holders_in_proportion_after_its_grow_delay():
+    cfg = PlanConfig(grow_after_s=5.0, target_utilization=0.75)
+    planner = FleetPlanner(cfg)
+    reps = replicas(n=4, slots=4)
+    demand = {"hot": 0.5, "cold": 0.5}
+    assert len(planner.update(0.0, demand, reps).holders["hot"]) == 1
+    demand["hot"] = 8 * 2.5  # 2.5 replicas' worth of rows: ceil(2.5 / 0.75) = 4 holders
+    assert len(planner.update(1.0, demand, reps).holders["hot"]) == 1  # a blip moves nothing
+    assert len(planner.update(5.5, demand, reps).holders["hot"]) == 1
+    assert len(planner.update(6.5, demand, reps).holders["hot"]) == 4  # sustained past grow_after_s
+
+
+def test_a_blip_that_ends_before_the_delay_resets_the_timer():
+    planner = FleetPlanner(PlanConfig(grow_after_s=5.0))
+    reps = replicas(n=4, slots=4)
+    planner.update(0.0, {"a": 1.0}, reps)
+    planner.update(1.0, {"a": 30.0}, reps)
+    planner.update(3.0, {"a": 1.0}, reps)  # back to normal: the wish to grow is forgotten
+    planner.update(4.0, {"a": 30.0}, reps)
+    assert len(planner.update(8.0, {"a": 30.0}, reps).holders["a"]) == 1  # 4 s of the second wish only
+    assert len(planner.update(9.5, {"a": 30.0}, reps).holders["a"]) > 1
+
+
+def test_holders_go_after_the_cool_down_and_idle_adapters_leave_the_plan():
+    cfg = PlanConfig(grow_after_s=0.0, shrink_after_s=30.0)
+    planner = FleetPlanner(cfg)
+    reps = replicas(n=4, slots=4)
+    planner.update(0.0, {"a": 24.0, "b": 1.0}, reps)
+    assert len(planner.update(0.1, {"a": 24.0, "b": 1.0}, reps).holders["a"]) == 4
+    assert len(planner.update(10.0, {"a": 1.0, "b": 1.0}, reps).holders["a"]) == 4
+    assert len(planner.update(41.0, {"a": 1.0, "b": 1.0}, reps).holders["a"]) == 1
+    planner.update(50.0, {"a": 1.0}, reps)  # b idle from now on
+    assert "b" in planner.update(160.0, {"a": 1.0}, reps).holders
+    assert "b" not in planner.update(171.0, {"a": 1.0}, reps).holders
+
+
+def test_a_demand_shift_within_the_tolerance_moves_no_placement_and_a_lasting_overload_moves_one():
+    planner = FleetPlanner()
+    reps = replicas(n=3, slots=3)
+    first = planner.update(0.0, {a: 0.5 for a in DEMO}, reps)
+    on_r0 = [a for a, rs in first.holders.items() if rs == ("r0",)]
+    assert len(on_r0) == 2
+    shifted = {a: (0.6 if a in on_r0 else 0.45) for a in DEMO}  # r0 a little above the mean
+    later = planner.update(100.0, shifted, reps)
+    assert later.holders == first.holders and later.version == first.version
+    overloaded = {a: (4.0 if a in on_r0 else 0.5) for a in DEMO}  # r0: 1 replica of load, the others 0.125
+    planner.update(200.0, overloaded, reps)
+    assert planner.update(229.0, overloaded, reps).holders == first.holders  # not for long enough yet
+    moved = planner.update(231.0, overloaded, reps)
+    assert sum(moved.holders[a] != first.holders[a] for a in on_r0) == 1
+    assert max(per_replica(moved).values()) <= 3
+
+
+def test_copies_that_do_not_fit_keep_a_spare_slot_per_replica():
+    """Twelve adapters on 2 x 4 slots: the plan places 2 x 3 and keeps one slot per replica for the rest."""
+    demand = {f"a{i:02d}": 1.0 / (i + 1) for i in range(12)}
+    plan = FleetPlanner().update(0.0, demand, replicas(slots=4))
+    hottest = sorted(demand, key=demand.get, reverse=True)[:6]
+    assert per_replica(PlacementPlan(0, {a: plan.holders[a] for a in hottest})) == {"r0": 3, "r1": 3}
+    assert set(plan.holders) == set(demand)  # the rest are planned too, without budget (load on demand)
+
+
+def test_the_plan_does_not_depend_on_input_order():
+    demand = {f"a{i}": float(i % 5) + 0.1 for i in range(20)}
+    reps = replicas(n=5, slots=3)
+    one = FleetPlanner().update(0.0, demand, reps)
+    two = FleetPlanner().update(0.0, dict(reversed(list(demand.items()))), list(reversed(reps)))
+    assert one.holders == two.holders
+
+
+def test_plan_round_trips_through_a_dict():
+    plan = FleetPlanner().update(0.0, {a: 0.5 for a in DEMO}, replicas())
+    assert PlacementPlan.from_dict(plan.to_dict()) == plan
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(0.0, 40.0), min_size=1, max_size=30), st.integers(1, 6), st.integers(1, 5),
+       st.lists(st.floats(0.0, 100.0), min_size=1, max_size=4))
+def test_plans_respect_replicas_budgets_and_counts(needs, n, slots, times):
+    planner = FleetPlanner(PlanConfig(grow_after_s=1.0, shrink_after_s=2.0))
+    reps = replicas(n=n, slots=slots)
+    demand = {f"a{i}": x for i, x in enumerate(needs)}
+    ids = {r.replica_id for r in reps}
+    now = 0.0
+    for dt in times:
+        now += dt
+        plan = planner.update(now, demand, reps)
+        for name, holders in plan.holders.items():
+            assert holders and set(holders) <= ids and len(set(holders)) == len(holders) <= n
+        budgeted = Counter()
+        for name in sorted(plan.holders, key=lambda a: -demand.get(a, 0.0)):
+            if len(plan.holders[name]) > 1:
+                budgeted.update(plan.holders[name])
+        assert all(c <= slots for c in budgeted.values())  # replicated adapters always had budget
+
+
+def test_the_directory_plans_from_the_workers_busy_seconds():
+    now = [0.0]
+    d = AdapterDirectory(clock=lambda: now[0])
+    for rid in ("r0", "r1"):
+        d.apply_snapshot({"replica_id": rid, "seq": 0, "slots": 3, "resident": {}, "pinned": []}, rows=8)
+    now[0] = 1.0
+    d.heartbeat("r0", busy_s={f"demo-{i}": 0.5 for i in range(3)})
+    d.heartbeat("r1", busy_s={f"demo-{i}": 0.5 for i in range(3, 6)})
+    plan = d.update_plan()
+    assert set(plan.holders) == set(DEMO) and per_replica(plan) == {"r0": 3, "r1": 3}
+    assert d.update_plan().version == plan.version  # nothing changed: the same version
