@@ -5,10 +5,10 @@ to it must cost the clients nothing. Steady traffic runs on ``support`` (v1) whi
 added and shifted 10% -> 50% -> 100% and v1 retired. Measured: errors during the rollout,
 p99 latency during the rollout over the steady state's, and cold loads (requests served by
 v2 at a moment when v2 was resident on no replica, once the split gave it traffic; a
-poller reads the directory's view every 50 ms). As v1 is flipped away (and retired at once,
-``version_retire_grace_s: 0``) a burst of requests is fired: those still queued for v1 must
-be re-drawn from the family, never 404; their errors count, their latency (queueing) does
-not. Also: the first request for an adapter
+poller reads the directory's view every 50 ms). Then a second adapter, ``other``, is flipped
+from v1 to v2 while a burst of requests for it is in flight (v1 retired at once,
+``version_retire_grace_s: 0``): those still queued for v1 must be re-drawn from the family,
+never 404; their errors count in ``rollout_errors``, their latency (queueing) nowhere. Also: the first request for an adapter
 nobody registered, found by ``adapter_resolvers`` on local disk and on a local S3 server
 (moto's, on 127.0.0.1), next to a second request for it.
 
@@ -160,16 +160,27 @@ def phase_row(phase: str, samples: list[Sample]) -> dict:
             "p50_ms": percentile_ms(ok, 50), "p99_ms": percentile_ms(ok, 99)}
 
 
+def burst_flip(base: str, v2_source: str) -> list[Sample]:
+    """After the timed rollout (so its queueing does not touch the p99): ``other`` gets a v2 at 50%, then a
+    burst of requests is fired as v1 is flipped away and retired at once."""
+    admin("POST", f"{base}/v1/adapters/other/versions", json={"version": "v2", "source": v2_source})
+    admin("PUT", f"{base}/v1/adapters/other/traffic", json={"v1": 50, "v2": 50})
+    with ThreadPoolExecutor(BURST) as pool:
+        queued = [pool.submit(burst_request, base, i) for i in range(BURST)]
+        admin("PUT", f"{base}/v1/adapters/other/traffic", json={"v1": 0, "v2": 100})
+        return [f.result() for f in queued]
+
+
 def burst_request(base: str, index: int) -> Sample:
     """One request of the burst fired at the flip (its latency is mostly queueing: errors count, not p99)."""
     started = time.monotonic()
     try:
         r = httpx.post(f"{base}/v1/completions", timeout=120, json={
-            "model": "support", "prompt": f"burst {index}", "max_tokens": 8, "temperature": 0})
+            "model": "other", "prompt": f"burst {index}", "max_tokens": 8, "temperature": 0})
         status, version = r.status_code, r.headers.get(VERSION_HEADER, "")
     except httpx.HTTPError:
         status, version = -2, ""
-    return Sample(started, time.monotonic() - started, status, version, "burst at 100%")
+    return Sample(started, time.monotonic() - started, status, version, "burst at flip")
 
 
 def first_request_rows(base: str, models: dict[str, str]) -> list[dict]:
@@ -243,19 +254,14 @@ def main(argv=None) -> dict:
         for label, split in (("10%", {"v1": 90, "v2": 10}), ("50%", {"v1": 50, "v2": 50}),
                              ("100%", {"v1": 0, "v2": 100})):
             traffic.phase = f"to {label}"
-            if label == "100%":   # requests queued for v1 when it is flipped away and retired at once
-                with ThreadPoolExecutor(BURST) as pool:
-                    queued = [pool.submit(burst_request, base, i) for i in range(BURST)]
-                    reply = admin("PUT", f"{base}/v1/adapters/support/traffic", json=split)
-                    burst = [f.result() for f in queued]
-            else:
-                reply = admin("PUT", f"{base}/v1/adapters/support/traffic", json=split)
+            reply = admin("PUT", f"{base}/v1/adapters/support/traffic", json=split)
             split_at.setdefault("first", time.monotonic())
             print(f"  traffic {split}: prewarmed {reply['prewarmed']}, retired {reply['retired']}", flush=True)
             traffic.phase = f"at {label}"
             time.sleep(step_s)
         traffic.stop()
         poller.stop()
+        burst = burst_flip(base, str(demo_dir / "demo-1"))
         front = serve.get_app_handle(APP).admission_stats.remote().result(timeout_s=30)
         print(f"  ingress: {front['repicks']} requests re-drawn after their version was retired, "
               f"{front['retries']} retried after a lost replica", flush=True)
@@ -263,7 +269,7 @@ def main(argv=None) -> dict:
         for phase in ("steady", "add v2", "to 10%", "at 10%", "to 50%", "at 50%", "to 100%", "at 100%"):
             rows.append(phase_row(phase, [s for s in samples if s.phase == phase]))
         rollout = [s for s in samples if s.phase not in ("warmup", "steady")]
-        burst_row = {**phase_row("burst at 100%", burst), "p50_ms": None, "p99_ms": None}
+        burst_row = {**phase_row("burst at flip", burst), "p50_ms": None, "p99_ms": None}
         steady = [s for s in samples if s.phase == "steady"]
         cold = [s for s in rollout if s.version == "v2" and s.started >= split_at["first"]
                 and poller.resident_at(s.started) is False]
