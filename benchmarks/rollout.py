@@ -5,7 +5,10 @@ to it must cost the clients nothing. Steady traffic runs on ``support`` (v1) whi
 added and shifted 10% -> 50% -> 100% and v1 retired. Measured: errors during the rollout,
 p99 latency during the rollout over the steady state's, and cold loads (requests served by
 v2 at a moment when v2 was resident on no replica, once the split gave it traffic; a
-poller reads the directory's view every 50 ms). Also: the first request for an adapter
+poller reads the directory's view every 50 ms). Then a second adapter, ``other``, is flipped
+from v1 to v2 while a burst of requests for it is in flight (v1 retired at once,
+``version_retire_grace_s: 0``): those still queued for v1 must be re-drawn from the family,
+never 404; their errors count in ``rollout_errors``, their latency (queueing) nowhere. Also: the first request for an adapter
 nobody registered, found by ``adapter_resolvers`` on local disk and on a local S3 server
 (moto's, on 127.0.0.1), next to a second request for it.
 
@@ -21,6 +24,7 @@ import socket
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -35,6 +39,7 @@ APP = "rollout-bench"
 ADMIN_TOKEN = "rollout-bench-token"
 VERSION_HEADER = "x-lorafleet-adapter-version"
 BUCKET = "rollout-bench"
+BURST = 24  # requests fired as v1 is flipped away: 3x what the 2 workers run at once, so most queue
 
 
 @dataclass
@@ -124,6 +129,19 @@ def reserve_port() -> socket.socket:
     return sock
 
 
+def start_local_serve(cpus: int) -> tuple[socket.socket, str]:
+    """A fresh local Ray cluster with Serve's proxy on a free port (held until the caller closes it)."""
+    import ray
+    from ray import serve
+
+    os.environ.update({"LORAFLEET_ADMIN_TOKEN": ADMIN_TOKEN, "SERVE_SOCKET_REUSE_PORT_ENABLED": "1"})
+    port = reserve_port()
+    ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": port.getsockname()[1]})
+    logging.getLogger("ray.serve").setLevel(logging.ERROR)
+    return port, f"http://127.0.0.1:{port.getsockname()[1]}"
+
+
 def admin(method: str, url: str, **kw) -> dict:
     r = httpx.request(method, url, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=300, **kw)
     if r.status_code >= 300:
@@ -140,6 +158,29 @@ def phase_row(phase: str, samples: list[Sample]) -> dict:
     return {"phase": phase, "requests": len(samples), "errors": sum(s.status != 200 for s in samples),
             "v1": sum(s.version == "v1" for s in samples), "v2": sum(s.version == "v2" for s in samples),
             "p50_ms": percentile_ms(ok, 50), "p99_ms": percentile_ms(ok, 99)}
+
+
+def burst_flip(base: str, v2_source: str) -> list[Sample]:
+    """After the timed rollout (so its queueing does not touch the p99): ``other`` gets a v2 at 50%, then a
+    burst of requests is fired as v1 is flipped away and retired at once."""
+    admin("POST", f"{base}/v1/adapters/other/versions", json={"version": "v2", "source": v2_source})
+    admin("PUT", f"{base}/v1/adapters/other/traffic", json={"v1": 50, "v2": 50})
+    with ThreadPoolExecutor(BURST) as pool:
+        queued = [pool.submit(burst_request, base, i) for i in range(BURST)]
+        admin("PUT", f"{base}/v1/adapters/other/traffic", json={"v1": 0, "v2": 100})
+        return [f.result() for f in queued]
+
+
+def burst_request(base: str, index: int) -> Sample:
+    """One request of the burst fired at the flip (its latency is mostly queueing: errors count, not p99)."""
+    started = time.monotonic()
+    try:
+        r = httpx.post(f"{base}/v1/completions", timeout=120, json={
+            "model": "other", "prompt": f"burst {index}", "max_tokens": 8, "temperature": 0})
+        status, version = r.status_code, r.headers.get(VERSION_HEADER, "")
+    except httpx.HTTPError:
+        status, version = -2, ""
+    return Sample(started, time.monotonic() - started, status, version, "burst at flip")
 
 
 def first_request_rows(base: str, models: dict[str, str]) -> list[dict]:
@@ -182,13 +223,7 @@ def main(argv=None) -> dict:
     client = s3_client(s3)
     client.create_bucket(Bucket=BUCKET)
     upload_folder(client, assets.adapters["demo-5"], BUCKET, "resolve/from-s3")
-    os.environ.update({"LORAFLEET_ADMIN_TOKEN": ADMIN_TOKEN, "SERVE_SOCKET_REUSE_PORT_ENABLED": "1"})
-    port = reserve_port()
-    base = f"http://127.0.0.1:{port.getsockname()[1]}"
-    ray.init(address="local", num_cpus=args.cpus, include_dashboard=False, log_to_driver=False,
-             configure_logging=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": port.getsockname()[1]})
-    logging.getLogger("ray.serve").setLevel(logging.ERROR)
+    port, base = start_local_serve(args.cpus)
     demo_dir = assets.adapters["demo-0"].parent
     app_args = AppArgs(max_loras_per_batch=3, max_lora_rank=16, max_batch_size=4, max_tokens_limit=64,
                        max_model_len=256, host_cache_bytes=64 << 20,
@@ -196,7 +231,8 @@ def main(argv=None) -> dict:
                                  {"name": "other", "source": str(demo_dir / "demo-3")}],
                        adapter_roots=[str(demo_dir), str(resolve_root)], object_store_prefixes=[f"s3://{BUCKET}"],
                        adapter_cache_dir=str(work / "node-cache"),
-                       adapter_resolvers=[str(resolve_root), f"s3://{BUCKET}/resolve"])
+                       adapter_resolvers=[str(resolve_root), f"s3://{BUCKET}/resolve"],
+                       version_retire_grace_s=0)   # v1 leaves the registry at once: queued requests must re-pick
     options = {"num_replicas": 2, "ray_actor_options": {"num_cpus": 1, "runtime_env": {"env_vars": s3.env()}}}
     rows: list[dict] = []
     try:
@@ -225,10 +261,15 @@ def main(argv=None) -> dict:
             time.sleep(step_s)
         traffic.stop()
         poller.stop()
+        burst = burst_flip(base, str(demo_dir / "demo-1"))
+        front = serve.get_app_handle(APP).admission_stats.remote().result(timeout_s=30)
+        print(f"  ingress: {front['repicks']} requests re-drawn after their version was retired, "
+              f"{front['retries']} retried after a lost replica", flush=True)
         samples = traffic.samples
         for phase in ("steady", "add v2", "to 10%", "at 10%", "to 50%", "at 50%", "to 100%", "at 100%"):
             rows.append(phase_row(phase, [s for s in samples if s.phase == phase]))
         rollout = [s for s in samples if s.phase not in ("warmup", "steady")]
+        burst_row = {**phase_row("burst at flip", burst), "p50_ms": None, "p99_ms": None}
         steady = [s for s in samples if s.phase == "steady"]
         cold = [s for s in rollout if s.version == "v2" and s.started >= split_at["first"]
                 and poller.resident_at(s.started) is False]
@@ -241,14 +282,14 @@ def main(argv=None) -> dict:
         shutil.rmtree(work, ignore_errors=True)
 
     rollout_row = phase_row("rollout (all)", rollout)
-    rows.append(rollout_row)
+    rows += [rollout_row, burst_row]
     print()
     common.print_table(rows, ["phase", "requests", "errors", "v1", "v2", "p50_ms", "p99_ms"],
                        title="Rollout of support v1 -> v2 under steady traffic", floatfmt=".1f")
     print()
     common.print_table(first_rows, ["source", "adapter", "first_ms", "second_ms", "status"],
                        title="First request for an unregistered adapter, found by adapter_resolvers", floatfmt=".1f")
-    errors = sum(s.status != 200 for s in rollout)
+    errors = sum(s.status != 200 for s in rollout) + burst_row["errors"]   # the burst's latency is queueing
     ratio = rollout_row["p99_ms"] / phase_row("steady", steady)["p99_ms"]
     goals = [
         common.goal("rollout_errors", errors, "== 0", errors == 0),

@@ -15,23 +15,29 @@ from typing import Callable, Optional
 from engine.errors import AdapterExistsError
 from pool.errors import AdapterNotFoundError
 
-from .quotas import AdapterQuotas
-from .resolvers import AdapterResolver
+from .config import NAME_RE
+from .quotas import AdapterQuotas, serve_placement
+from .resolvers import AdapterResolver, LookupLimiter, shown
 from .traffic_split import families, label_of, pick, quota_of
 from .versions import VersionedFleetAdmin
 
 VERSION_HEADER = "x-lorafleet-adapter-version"
 
 
-def _noop() -> None:
-    return None
-
-
 @dataclass
 class Admission:
     adapter: Optional[str] = None              # the registry entry that serves it (None: the base model)
     version: Optional[str] = None              # its version label
-    release: Callable[[], None] = field(default=_noop)   # frees the quota place; call once the request ends
+    requested: Optional[str] = None            # the name the client asked for
+    _releases: list = field(default_factory=list)   # quota place, ingress place: freed once, by release()
+
+    def also_release(self, release: Callable[[], None]) -> None:
+        self._releases.append(release)
+
+    def release(self) -> None:
+        """Give back every place this request holds (idempotent); call once the request ends."""
+        while self._releases:
+            self._releases.pop()()
 
     def headers(self) -> dict[str, str]:
         return {VERSION_HEADER: self.version} if self.version else {}
@@ -63,15 +69,35 @@ class AdapterGate:
         family = self.family(name)
         if not family:
             family = await self._find(name)
-        release = self.quotas.acquire(name, *quota_of(family))
+        admission = Admission(requested=name)
+        admission.also_release(self.quotas.acquire(name, *quota_of(family)))
         try:
             entry = pick(family, self.rng)
         except BaseException:
-            release()
+            admission.release()
             raise
-        return Admission(entry.name, label_of(entry), release)
+        admission.adapter, admission.version = entry.name, label_of(entry)
+        return admission
+
+    async def repick(self, admission: Admission) -> bool:
+        """The drawn version was retired meanwhile: draw again from the name's current family.
+        False when there is nothing else to draw (the base model, or the same entry again)."""
+        if admission.requested is None:
+            return False
+        await self.admin.refresh_after_miss()
+        family = [e for e in self.family(admission.requested) if e.name != admission.adapter]
+        try:
+            entry = pick(family, self.rng) if family else None
+        except AdapterNotFoundError:
+            entry = None
+        if entry is None:
+            return False
+        admission.adapter, admission.version = entry.name, label_of(entry)
+        return True
 
     async def _find(self, name: str) -> list:
+        if not NAME_RE.fullmatch(name):   # no registration or resolver can have it: no lookup, no refresh
+            raise AdapterNotFoundError(f"adapter {shown(name)} is not registered")
         try:
             await self.admin.check_registered(name)
         except AdapterNotFoundError:
@@ -85,13 +111,20 @@ class AdapterGate:
                 await self.admin.registry.refresh()
         family = self.family(name)
         if not family:
-            raise AdapterNotFoundError(f"adapter {name!r} is not registered")
+            raise AdapterNotFoundError(f"adapter {shown(name)} is not registered")
         return family
 
 
-def build_gate(admin: VersionedFleetAdmin, args, ingress_replicas: int) -> AdapterGate:
+def build_gate(admin: VersionedFleetAdmin, args) -> AdapterGate:
     """The gate an ingress replica runs, from its app args (resolvers only when configured)."""
     resolver = None
     if args.adapter_resolvers:
-        resolver = AdapterResolver(args.adapter_resolvers, admin.register, args.adapter_resolver_negative_ttl_s)
-    return AdapterGate(admin, AdapterQuotas(ingress_replicas), resolver)
+        limiter = LookupLimiter(args.adapter_resolver_lookups_per_s, args.adapter_resolver_max_concurrent_lookups,
+                                serve_placement)
+
+        async def register(spec):   # resolver-made entries expire (and are found again if still wanted)
+            return await admin.register(spec, expires_after_s=args.adapter_resolver_entry_ttl_s)
+
+        resolver = AdapterResolver(args.adapter_resolvers, register, args.adapter_resolver_negative_ttl_s,
+                                   limiter=limiter)
+    return AdapterGate(admin, AdapterQuotas(serve_placement), resolver)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Awaitable, Callable, TypeVar
 
 from .http_errors import HTTPError
@@ -41,40 +42,38 @@ class RequestLimiter:
     def release(self) -> None:
         self.inflight -= 1
 
-    async def call(self, start: Callable[[], object]):
-        """Await a worker's response (``start()`` makes the call) under the bound and the timeout."""
-        self.acquire()
-        try:
-            return await self.first_result(start, lambda response: response)
-        finally:
-            self.release()
+    def deadline(self) -> float:
+        """When a request admitted now must have its first result (the request timeout from now)."""
+        return time.monotonic() + self.timeout_s
 
-    async def first_result(self, start: Callable[[], object], first: Callable[[object], Awaitable[T]]) -> T:
-        """``first(start())`` under the timeout, once more on a fresh call if the replica was lost."""
+    async def first_result(self, start: Callable[[], object], first: Callable[[object], Awaitable[T]],
+                           deadline: float) -> T:
+        """``first(start())`` before ``deadline``, once more on a fresh call if the replica was lost."""
         try:
-            return await self._attempt(start, first)
+            return await self._attempt(start, first, deadline)
         except BaseException as exc:
             if not replica_lost(exc):
                 raise
             self.retries += 1
             log.warning("lorafleet ingress: replica lost before the first token (%r); retrying once", exc)
-        return await self._attempt(start, first)
+        return await self._attempt(start, first, deadline)
 
-    async def _attempt(self, start: Callable[[], object], first: Callable[[object], Awaitable[T]]) -> T:
+    async def _attempt(self, start: Callable[[], object], first: Callable[[object], Awaitable[T]],
+                       deadline: float) -> T:
         """A late or failed call is cancelled, so its work stops in the engine too."""
         response = start()
         try:
-            return await self.within_timeout(first(response))
+            return await self.within_timeout(first(response), deadline)
         except BaseException:
             response.cancel()
             raise
 
-    async def within_timeout(self, awaitable):
-        """Await under the request timeout; Serve's full queues become a 429 rather than its 503."""
+    async def within_timeout(self, awaitable, deadline: float):
+        """Await until ``deadline``; Serve's full queues become a 429 rather than its 503."""
         from ray.serve.exceptions import BackPressureError
 
         try:
-            return await asyncio.wait_for(awaitable, self.timeout_s)
+            return await asyncio.wait_for(awaitable, max(0.0, deadline - time.monotonic()))
         except asyncio.TimeoutError:
             raise self.timeout_error() from None
         except BackPressureError:

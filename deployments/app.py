@@ -18,16 +18,22 @@ from .directory_actor import AdapterDirectoryActor
 from .ingress import LoRAFleetIngress
 from .worker import LoRAWorker
 
+DRAIN_MARGIN_S = 10.0  # beyond request_timeout_s, for a replica's goodbye and the drain itself
+
 
 def build_app(args: dict) -> Application:
     return build_fleet(AppArgs(**(args or {})))
 
 
-def build_fleet(parsed: AppArgs, worker_options: Optional[dict] = None) -> Application:
-    """The application graph; ``worker_options`` overrides LoRAWorker's deployment options (tests, scripts)."""
+def build_fleet(parsed: AppArgs, worker_options: Optional[dict] = None,
+                ingress_options: Optional[dict] = None) -> Application:
+    """The application graph; ``worker_options`` / ``ingress_options`` override LoRAWorker's / the
+    ingress's deployment options (tests, scripts)."""
     plain = parsed.model_dump()
     directory = AdapterDirectoryActor.bind()
+    drain = dict(graceful_shutdown_timeout_s=parsed.request_timeout_s + DRAIN_MARGIN_S)  # finish what was admitted
     options = dict(
+        **drain,
         max_ongoing_requests=parsed.max_batch_size,  # spill only when a holder's batch is really full
         max_queued_requests=parsed.max_queued_requests,
         request_router_config=RequestRouterConfig(
@@ -41,4 +47,4 @@ def build_fleet(parsed: AppArgs, worker_options: Optional[dict] = None) -> Appli
     options.update(worker_options or {})
     check_router_kwargs(options["request_router_config"].request_router_kwargs)
     worker = LoRAWorker.options(**options).bind(plain, directory)
-    return LoRAFleetIngress.bind(plain, worker, directory)
+    return LoRAFleetIngress.options(**{**drain, **(ingress_options or {})}).bind(plain, worker, directory)

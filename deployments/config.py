@@ -80,6 +80,9 @@ class AppArgs(BaseModel):
     adapter_cache_dir: Optional[str] = None  # node-local object-store download cache (None: ~/.cache/lorafleet/adapters)
     adapter_resolvers: Optional[list[str]] = None  # tried for an unregistered name: folder, s3/gs prefix or hub org
     adapter_resolver_negative_ttl_s: float = Field(default=30.0, ge=0)  # how long a resolver miss is remembered
+    adapter_resolver_lookups_per_s: float = Field(default=5.0, gt=0)  # fleet-wide, over all ingress replicas
+    adapter_resolver_max_concurrent_lookups: int = Field(default=4, ge=1)  # fleet-wide
+    adapter_resolver_entry_ttl_s: Optional[float] = Field(default=3600.0, gt=0)  # resolver-made entries (None: kept)
     _prefixes = field_validator("object_store_prefixes")(classmethod(lambda cls, v: validate_object_store_prefixes(v)))
     _resolvers = field_validator("adapter_resolvers")(classmethod(lambda cls, v: validate_resolver_roots(v)))
     max_queued_requests: int = Field(default=256, ge=1)
@@ -87,6 +90,8 @@ class AppArgs(BaseModel):
     stream_idle_timeout_s: float = Field(default=60.0, gt=0)  # a stream with no token for this long is closed
     max_body_bytes: int = Field(default=1 << 20, ge=1024)
     max_prompt_chars: int = Field(default=32_000, ge=1)
+    prewarm_timeout_s: float = Field(default=30.0, gt=0)  # a traffic PUT waits this long for pre-warming, at most
+    version_retire_grace_s: Optional[float] = Field(default=None, ge=0)  # 0% version kept; None: request_timeout_s
     drain_timeout_s: float = Field(default=30.0, ge=0)
     warm_start_timeout_s: float = Field(default=60.0, ge=0)  # a new worker's warm-up bound (0: start cold)
     demand_window_s: float = Field(default=60.0, gt=0)  # window of the loads/s and working set the autoscaler sees

@@ -23,7 +23,7 @@ from routing.directory import AdapterDirectory
 from routing.warm_start import AdapterPlacement, rehome_targets, warm_start_plan
 
 from .metrics import DirectoryMetrics
-from .registry import RegistryEntry, RegistryWriteError
+from .registry import RegistryConflictError, RegistryEntry, RegistryWriteError
 
 log = logging.getLogger("ray.serve")
 KV_NAMESPACE = "lorafleet"
@@ -101,19 +101,42 @@ class AdapterDirectoryActor:
         self.registry = registry
         self._registry_changes.bump()
 
+    def _stamped(self, entry: RegistryEntry) -> RegistryEntry:
+        """The entry as written now: one generation past what the registry holds for its name."""
+        current = self.registry.get(entry.name)
+        return dataclasses.replace(entry, generation=(current.generation if current else 0) + 1)
+
     def put_adapter(self, entry: dict, *, if_absent: bool = True) -> dict:
         """Add an entry; with ``if_absent`` an existing name is returned unchanged (first one wins)."""
         new = RegistryEntry.from_dict(entry)
         current = self.registry.get(new.name)
         if current is not None and if_absent:
             return current.to_dict()
+        new = self._stamped(new)
         self._commit_registry({**self.registry, new.name: new})
         return new.to_dict()
 
-    def remove_adapter(self, name: str) -> dict:
+    def write_entries(self, updates: list[dict], expected: dict[str, int], remove: tuple[str, ...] = ()) -> list[dict]:
+        """Compare-and-set: apply ``updates`` and ``remove`` at once, only if every name in ``expected``
+        is still at that generation (else ``RegistryConflictError``, 409, and nothing changes)."""
+        for name, generation in expected.items():
+            current = self.registry.get(name)
+            if current is None or current.generation != generation:
+                now = "removed" if current is None else f"at generation {current.generation}"
+                raise RegistryConflictError(f"adapter entry {name!r} changed meanwhile (expected generation "
+                                            f"{generation}, now {now}); re-read and retry")
+        written = [self._stamped(RegistryEntry.from_dict(d)) for d in updates]
+        registry = {n: e for n, e in self.registry.items() if n not in remove}
+        registry.update({e.name: e for e in written})
+        self._commit_registry(registry)
+        return [e.to_dict() for e in written]
+
+    def remove_adapter(self, name: str, expected_generation: Optional[int] = None) -> dict:
         entry = self.registry.get(name)
         if entry is None:
             raise AdapterNotFoundError(f"adapter {name!r} is not registered")
+        if expected_generation is not None and entry.generation != expected_generation:
+            raise RegistryConflictError(f"adapter {name!r} changed meanwhile; re-read and retry")
         self._commit_registry({n: e for n, e in self.registry.items() if n != name})
         return entry.to_dict()
 
@@ -121,9 +144,21 @@ class AdapterDirectoryActor:
         entry = self.registry.get(name)
         if entry is None:
             raise AdapterNotFoundError(f"adapter {name!r} is not registered")
-        changed = dataclasses.replace(entry, pinned=pinned, replicas=entry.replicas if replicas is None else replicas)
+        changed = self._stamped(dataclasses.replace(
+            entry, pinned=pinned, replicas=entry.replicas if replicas is None else replicas))
         self._commit_registry({**self.registry, name: changed})
         return changed.to_dict()
+
+    def _retire_due_versions(self) -> None:
+        """Remove 0% versions whose ``retire_at`` passed (no request can still hold them: see versions.py)."""
+        now = time.time()
+        due = [n for n, e in self.registry.items() if e.retire_at is not None and e.retire_at <= now]
+        if due:
+            try:
+                self._commit_registry({n: e for n, e in self.registry.items() if n not in due})
+                log.info("lorafleet directory: retired versions %s", due)
+            except RegistryWriteError as exc:  # tried again next second
+                log.warning("lorafleet directory: retiring %s failed (%s)", due, exc)
 
     async def get_registry(self, since_version: int = -1, timeout_s: float = 0.0) -> dict:
         """Long poll: returns at once if the registry moved past ``since_version``."""
@@ -197,6 +232,7 @@ class AdapterDirectoryActor:
         while True:
             await asyncio.sleep(PLAN_INTERVAL_S)
             self.metrics.update(self.directory)
+            self._retire_due_versions()
             held = {r: sorted(s.resident) for r, s in self.directory.replicas.items()}
             expired = self.directory.expire()
             if expired:

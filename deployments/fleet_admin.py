@@ -15,19 +15,20 @@ from pool.errors import AdapterNotFoundError, PinRefusedError
 from routing.identity import mint_uid
 from routing.pins import overfull_pin_replica, pin_holders
 
-from .config import AdapterSpec
+from .config import AdapterSpec, AppArgs
 from .registry import RegistryEntry, RegistryFollower
 
 MISS_REFRESH_INTERVAL_S = 0.5
 
 
 class FleetAdmin:
-    def __init__(self, worker, directory, registry: RegistryFollower, slots: int, pin_replicas: int):
+    def __init__(self, worker, directory, registry: RegistryFollower, args: AppArgs):
         self.worker = worker
         self.directory = directory
         self.registry = registry
-        self.slots = slots
-        self.pin_replicas = pin_replicas
+        self.args = args
+        self.slots = args.max_loras_per_batch
+        self.pin_replicas = args.pin_replicas
         self._refreshing: Optional[asyncio.Future] = None
         self._refreshed_at = float("-inf")
 
@@ -46,10 +47,11 @@ class FleetAdmin:
         """
         if name is None or name in self.registry.entries:
             return
-        await self._refresh_after_miss()
+        await self.refresh_after_miss()
         self.entry(name)
 
-    async def _refresh_after_miss(self) -> None:
+    async def refresh_after_miss(self) -> None:
+        """Refresh the registry copy, at most once per ``MISS_REFRESH_INTERVAL_S`` (concurrent callers share one)."""
         if self._refreshing is not None:
             await asyncio.shield(self._refreshing)
             return
@@ -62,7 +64,8 @@ class FleetAdmin:
             self._refreshing = None
             self._refreshed_at = time.monotonic()
 
-    async def register(self, spec: AdapterSpec) -> dict:
+    async def register(self, spec: AdapterSpec, expires_after_s: Optional[float] = None) -> dict:
+        """Validate on a worker, then publish; ``expires_after_s`` gives the entry a ``retire_at`` (resolvers)."""
         current = self.registry.entries.get(spec.name)
         if current is not None:
             if (current.source, current.revision) == (spec.source, spec.revision):
@@ -75,7 +78,8 @@ class FleetAdmin:
         uid = mint_uid(spec.name)
         facts = await self.worker.validate_adapter.remote(spec.name, spec.source, spec.revision, uid)
         entry = RegistryEntry(name=spec.name, uid=uid, source=spec.source, revision=spec.revision,
-                              pinned=spec.pinned, replicas=replicas, rank=facts["rank"])
+                              pinned=spec.pinned, replicas=replicas, rank=facts["rank"], content=facts.get("content"),
+                              retire_at=None if expires_after_s is None else time.time() + expires_after_s)
         stored = await self.directory.put_adapter.remote(entry.to_dict())
         await self.registry.refresh()
         if stored["uid"] != uid:
@@ -94,7 +98,10 @@ class FleetAdmin:
         return result
 
     async def unregister(self, name: str) -> dict:
-        removed = await self.directory.remove_adapter.remote(name)
+        await self.registry.refresh()
+        current = self.registry.entries.get(name)
+        # the entry this ingress knows: a registration made meanwhile under the name is not removed (409)
+        removed = await self.directory.remove_adapter.remote(name, current.generation if current else None)
         self.registry.entries.pop(name, None)  # refuse new requests here at once
         return {"name": name, "uid": removed["uid"], "status": "unregistered"}
 

@@ -38,8 +38,9 @@ from pool.errors import (
     SourceUnavailableError,
 )
 
+from .content_version import SourceChangedError
 from .openai_protocol import UnsupportedParameter, error_body
-from .registry import RegistryWriteError
+from .registry import RegistryConflictError, RegistryWriteError
 
 log = logging.getLogger("ray.serve")
 
@@ -51,6 +52,9 @@ class HTTPError(Exception):
                  retry_after: Optional[int] = None):
         super().__init__(message)
         self.status, self.param, self.code, self.retry_after = status, param, code, retry_after
+
+    def __reduce__(self):  # crosses Ray calls to handle callers: keep every field
+        return (HTTPError, (self.status, str(self), self.param, self.code, self.retry_after))
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,8 @@ ERROR_FAMILIES: dict[type[BaseException], ErrorFamily] = {
     EngineUnhealthyError: ErrorFamily(503, "replica_unhealthy", retry_after=1),
     RequestCancelledError: ErrorFamily(499, "cancelled"),
     RegistryWriteError: ErrorFamily(503, "registry_unavailable", retry_after=1),
+    RegistryConflictError: ErrorFamily(409, "registry_conflict"),
+    SourceChangedError: ErrorFamily(409, "source_changed"),
     RayActorError: ErrorFamily(503, "replica_unavailable", retry_after=1,
                                message="the replica serving this request was lost; retry the request"),
     LoRAFleetError: ErrorFamily(500),

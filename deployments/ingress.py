@@ -9,6 +9,7 @@ from its args: routes in openai_routes.py and admin_routes.py, statuses in http_
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import AsyncIterator, Optional
 
 from pydantic import ValidationError
@@ -18,6 +19,7 @@ from engine.errors import InvalidRequestError
 from engine.request import GenerateRequest, GenerateResult
 
 from .admission import RequestLimiter
+from .front_door import FrontDoor
 from .config import AdapterSpec, AppArgs
 from .adapter_gate import build_gate
 from .http_app import build_http_app
@@ -33,10 +35,10 @@ class LoRAFleetIngress:
         self.worker = worker.options(stream=False)
         self.worker_stream = worker.options(stream=True)
         self.registry = RegistryFollower(directory)
-        self.admin = VersionedFleetAdmin(self.worker, directory, self.registry, self.args.max_loras_per_batch,
-                                         self.args.pin_replicas)
-        self.gate = build_gate(self.admin, self.args, serve.get_replica_context().world_size)
+        self.admin = VersionedFleetAdmin(self.worker, directory, self.registry, self.args)
+        self.gate = build_gate(self.admin, self.args)
         self.limiter = RequestLimiter(self.args.max_queued_requests, self.args.request_timeout_s)
+        self.front = FrontDoor(self.args, self.gate, self.limiter, self.worker, self.worker_stream)
         await self.registry.refresh()
         for spec in self.args.startup_adapters():
             if spec.name not in self.registry.entries:
@@ -49,27 +51,22 @@ class LoRAFleetIngress:
     # ------------------------------------------------------------------ Python handle API
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
-        admission = await self.gate.admit(request.adapter)
-        request.adapter = admission.adapter
-        try:
-            return await self.limiter.call(lambda: self.worker.generate.remote(request))
-        finally:
-            admission.release()
+        """The HTTP routes' admission (front_door.py): prompt limit, places, timeout, retry, re-pick."""
+        result, _ = await self.front.generate(request)
+        return result
 
     async def generate_stream(self, request: GenerateRequest) -> AsyncIterator:
-        """Token deltas, then the final ``GenerateResult``."""
-        admission = await self.gate.admit(request.adapter)
-        request.adapter = admission.adapter
-        upstream = self.worker_stream.generate_stream.remote(request)
-        exhausted = False
+        """Token deltas, then the final ``GenerateResult``; admitted like an HTTP stream."""
+        stream = await self.front.open_stream(request)
         try:
-            async for item in upstream:
-                yield item
-            exhausted = True
+            yield stream.first
+            if not isinstance(stream.first, GenerateResult):
+                async for item in stream.rest():
+                    yield item
+            else:
+                stream.exhausted = True
         finally:
-            admission.release()
-            if not exhausted:
-                upstream.cancel()  # the caller cancelled or stopped reading: stop the work upstream
+            stream.close()  # the caller cancelled or stopped reading: the work upstream stops too
 
     async def register_adapter(self, name: str, source: str, revision: Optional[str] = None, pinned: bool = False,
                                replicas: Optional[int] = None) -> dict:
@@ -93,3 +90,13 @@ class LoRAFleetIngress:
 
     async def list_adapters(self) -> dict:
         return await self.admin.describe()
+
+    def admission_stats(self) -> dict:
+        """This ingress replica's front-door counters (benchmarks.abuse reads them; cheap, no I/O)."""
+        resolver = self.gate.resolver
+        return {"pid": os.getpid(), "registry_version": self.registry.version, "inflight": self.limiter.inflight,
+                "quota_peak_inflight": dict(self.gate.quotas.state.peak_inflight), "retries": self.limiter.retries,
+                "repicks": self.front.repicks,
+                "resolver_lookups": resolver.lookups if resolver else 0,
+                "resolver_refused": resolver.limiter.refused if resolver and resolver.limiter else 0,
+                "resolver_misses_held": len(resolver.misses) if resolver else 0}

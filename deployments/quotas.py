@@ -1,14 +1,16 @@
 """Per-adapter quotas at the ingress: concurrent requests and requests per second.
 
-Quotas are fleet-wide limits: each of the ingress's ``world_size`` replicas enforces its
-even share (concurrency rounded down, at least 1; the rate as a token bucket holding one
-second of its share), so the fleet admits at most the limit. A refusal is a 429 that names
-the adapter and the quota, and counts in ``lorafleet_adapter_quota_rejections_total``.
+Quotas are fleet-wide limits: each ingress replica enforces its part, and the parts sum to
+the limit exactly (``replica_share``: the first ``limit % replicas`` ranks get one more, so
+``max_concurrency: 1`` over 2 replicas admits 1 on rank 0 and none on rank 1); the rate is
+a token bucket holding one second of its part. The replica count and rank are read on every
+request from Serve's replica context, so a resized or re-ranked ingress follows at once.
+A refusal is a 429 that names the adapter and the quota, and counts in
+``lorafleet_adapter_quota_rejections_total``.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -17,10 +19,14 @@ from typing import Callable, Optional
 from .http_errors import HTTPError
 
 
+MAX_IDLE_BUCKETS = 1024  # past this many rate buckets, refilled ones are dropped
+
+
 @dataclass
 class _Bucket:
     tokens: float
     updated: float
+    full_at: float = 0.0   # when it will have refilled (then it is the same as no bucket)
 
 
 @dataclass
@@ -28,11 +34,29 @@ class QuotaState:
     inflight: Counter = field(default_factory=Counter)
     buckets: dict[str, _Bucket] = field(default_factory=dict)
     rejections: Counter = field(default_factory=Counter)   # (adapter, quota) -> count
+    peak_inflight: Counter = field(default_factory=Counter)  # adapter -> most requests held at once here
+
+
+def replica_share(limit: int, replicas: int, rank: Optional[int]) -> int:
+    """This replica's part of a fleet-wide whole-number limit; the parts of ranks 0..replicas-1 sum to it.
+    An unknown or out-of-range rank takes the smallest part, so the fleet never admits more than ``limit``."""
+    base, extra = divmod(limit, max(1, replicas))
+    return base + 1 if rank is not None and 0 <= rank < extra else base
+
+
+def serve_placement() -> tuple[int, Optional[int]]:
+    """(replicas of this deployment, this replica's rank) from Serve, read now (both change live)."""
+    from ray import serve
+
+    context = serve.get_replica_context()
+    rank = getattr(context.rank, "rank", context.rank)
+    return max(1, context.world_size or 1), rank if isinstance(rank, int) else None
 
 
 class AdapterQuotas:
-    def __init__(self, ingress_replicas: int = 1, clock: Callable[[], float] = time.monotonic, metrics: bool = True):
-        self.share = 1.0 / max(1, ingress_replicas)
+    def __init__(self, placement: Callable[[], tuple[int, Optional[int]]] = lambda: (1, 0),
+                 clock: Callable[[], float] = time.monotonic, metrics: bool = True):
+        self.placement = placement
         self.clock = clock
         self.state = QuotaState()
         self._counter = None
@@ -48,17 +72,19 @@ class AdapterQuotas:
         if max_concurrency is None and requests_per_s is None:
             return _noop
         state = self.state
+        replicas, rank = self.placement()
         if max_concurrency is not None:
-            limit = max(1, math.floor(max_concurrency * self.share))
-            if state.inflight[name] >= limit:
+            if state.inflight[name] >= replica_share(max_concurrency, replicas, rank):
                 self._reject(name, "max_concurrency",
                              f"adapter {name!r} is at its quota of {max_concurrency} concurrent requests; retry later")
         if requests_per_s is not None:
-            rate = requests_per_s * self.share
+            rate = requests_per_s / replicas
             now = self.clock()
             bucket = state.buckets.get(name)
             capacity = max(1.0, rate)
             if bucket is None:
+                if len(state.buckets) >= MAX_IDLE_BUCKETS:
+                    state.buckets = {n: b for n, b in state.buckets.items() if b.full_at > now}
                 bucket = state.buckets[name] = _Bucket(capacity, now)
             bucket.tokens = min(capacity, bucket.tokens + (now - bucket.updated) * rate)
             bucket.updated = now
@@ -67,7 +93,9 @@ class AdapterQuotas:
                              f"adapter {name!r} is over its quota of {requests_per_s:g} requests per second; "
                              f"retry later")
             bucket.tokens -= 1.0
+            bucket.full_at = now + (capacity - bucket.tokens) / rate
         state.inflight[name] += 1
+        state.peak_inflight[name] = max(state.peak_inflight[name], state.inflight[name])
         released = False
 
         def release() -> None:

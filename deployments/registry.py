@@ -13,6 +13,10 @@ class RegistryWriteError(LoRAFleetError):
     """The fleet's adapter registry could not be written durably; nothing changed."""
 
 
+class RegistryConflictError(LoRAFleetError):
+    """An admin write was based on a registry entry that changed meanwhile (409); nothing changed."""
+
+
 @dataclass
 class RegistryEntry:
     name: str
@@ -28,6 +32,10 @@ class RegistryEntry:
     traffic: Optional[int] = None         # percent of the name's requests; None: what the versions leave
     max_concurrency: Optional[int] = None  # per-name quota, the same on every entry of the name
     requests_per_s: Optional[float] = None
+    generation: int = 0                   # bumped by the directory on every write (compare-and-set)
+    retire_at: Optional[float] = None     # wall time a 0% version leaves the registry (deployments/versions.py)
+    content: Optional[str] = None         # content version at registration (deployments/content_version.py)
+    prewarm: Optional[dict] = None        # replica id -> "slot" | "host": workers named here warm it themselves
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -3,8 +3,15 @@
 For name ``x`` each root proposes ``root/x`` (pool.sources.resolver_roots), tried in
 order through the same registration path as the admin API (validated on a worker,
 published fleet-wide under a fresh uid). The first that validates wins. Concurrent first
-requests for one name share a single attempt, and a miss is remembered for
-``negative_ttl_s`` so a stream of bogus names costs the workers one lookup per name per TTL.
+requests for one name share a single attempt.
+
+The path is open to anyone who can send a request, so every part of it is bounded: a
+name that is no valid adapter name is refused before any lookup or memory is spent on it;
+a miss is remembered for ``negative_ttl_s`` in an LRU of at most ``max_misses`` names, and
+each request gets a fresh error (never one shared object whose traceback would keep every
+request that raised it); lookups are limited to ``lookups_per_s`` and ``max_concurrent``
+(the fleet's figures, split over the ingress replicas so the parts sum to them), past
+which a request gets a 429 instead of a lookup.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from typing import Awaitable, Callable, Optional, Sequence
 
 from pydantic import ValidationError
@@ -20,35 +28,106 @@ from engine.errors import AdapterExistsError
 from pool.errors import AdapterError, AdapterNotFoundError, LoRAFleetError, SourceNotAllowedError
 from pool.sources import candidate_source
 
-from .config import AdapterSpec
+from .config import NAME_RE, AdapterSpec
+from .http_errors import HTTPError, unwrap
+from .quotas import replica_share
 
 log = logging.getLogger("ray.serve")
+SHOWN_NAME_CHARS = 80
+
+
+def shown(name: str) -> str:
+    """A name as error messages quote it: a hostile 1 MiB name must not come back 1 MiB long."""
+    return repr(name) if len(name) <= SHOWN_NAME_CHARS else f"{name[:SHOWN_NAME_CHARS]!r}... ({len(name)} chars)"
+
+
+def not_registered(name: str) -> AdapterNotFoundError:
+    return AdapterNotFoundError(f"adapter {shown(name)} is not registered and no adapter resolver holds it")
+
+
+def fresh(cls: type, message: str) -> BaseException:
+    """A new error of ``cls`` with ``message`` (whatever its ``__init__`` takes), with no traceback yet."""
+    error = Exception.__new__(cls)
+    Exception.__init__(error, message)
+    return error
+
+
+class LookupLimiter:
+    """This ingress replica's part of the fleet's lookup rate and concurrency."""
+
+    def __init__(self, lookups_per_s: float, max_concurrent: int, placement: Callable[[], tuple[int, Optional[int]]],
+                 clock: Callable[[], float] = time.monotonic):
+        self.lookups_per_s, self.max_concurrent = lookups_per_s, max_concurrent
+        self.placement, self.clock = placement, clock
+        self.running = 0
+        self._tokens: Optional[float] = None
+        self._updated = clock()
+        self.refused = 0
+
+    def take(self) -> None:
+        """One lookup may start now, or a 429 (nothing is remembered of the name)."""
+        replicas, rank = self.placement()
+        rate = self.lookups_per_s / replicas
+        now = self.clock()
+        capacity = max(1.0, rate)
+        tokens = capacity if self._tokens is None else min(capacity, self._tokens + (now - self._updated) * rate)
+        self._tokens, self._updated = tokens, now
+        if self.running >= replica_share(self.max_concurrent, replicas, rank) or tokens < 1.0:
+            self.refused += 1
+            raise HTTPError(429, "adapter resolver lookups are at their limit; retry later",
+                            param="model", code="resolver_busy", retry_after=1)
+        self._tokens -= 1.0
+        self.running += 1
+
+    def done(self) -> None:
+        self.running -= 1
 
 
 class AdapterResolver:
     def __init__(self, roots: Sequence[str], register: Callable[[AdapterSpec], Awaitable[dict]],
-                 negative_ttl_s: float = 30.0, clock: Callable[[], float] = time.monotonic):
+                 negative_ttl_s: float = 30.0, clock: Callable[[], float] = time.monotonic,
+                 limiter: Optional[LookupLimiter] = None, max_misses: int = 4096):
         self.roots = list(roots)
         self.register = register
         self.negative_ttl_s = negative_ttl_s
         self.clock = clock
-        self.misses: dict[str, tuple[float, LoRAFleetError]] = {}   # name -> (expiry, what to raise)
+        self.limiter = limiter
+        self.max_misses = max_misses
+        # name -> (expiry, error class, message): the error is made afresh for each request
+        self.misses: OrderedDict[str, tuple[float, type, str]] = OrderedDict()
         self._attempts: dict[str, asyncio.Future] = {}
         self.resolved = 0
         self.lookups = 0
 
     async def resolve(self, name: str) -> dict:
         """Register ``name`` from the first root that holds a valid adapter, or raise why none did."""
+        if not isinstance(name, str) or not NAME_RE.fullmatch(name):
+            raise not_registered(name)   # no root can hold it: nothing looked up, nothing remembered
         miss = self.misses.get(name)
         if miss is not None:
-            if self.clock() < miss[0]:
-                raise miss[1]
+            expiry, cls, message = miss
+            if self.clock() < expiry:
+                self.misses.move_to_end(name)
+                raise fresh(cls, message)
             del self.misses[name]
         attempt = self._attempts.get(name)
         if attempt is None:
+            if self.limiter is not None:
+                self.limiter.take()
             attempt = self._attempts[name] = asyncio.ensure_future(self._try_roots(name))
-            attempt.add_done_callback(lambda _: self._attempts.pop(name, None))
+            attempt.add_done_callback(lambda _: self._finished(name))
         return await asyncio.shield(attempt)
+
+    def _finished(self, name: str) -> None:
+        self._attempts.pop(name, None)
+        if self.limiter is not None:
+            self.limiter.done()
+
+    def _remember_miss(self, name: str, error: LoRAFleetError) -> None:
+        self.misses[name] = (self.clock() + self.negative_ttl_s, type(error), str(error))
+        self.misses.move_to_end(name)
+        while len(self.misses) > self.max_misses:
+            self.misses.popitem(last=False)
 
     async def _try_roots(self, name: str) -> dict:
         self.lookups += 1
@@ -72,7 +151,6 @@ class AdapterResolver:
                 continue
             self.resolved += 1
             return entry
-        error = refusal or AdapterNotFoundError(
-            f"adapter {name!r} is not registered and no adapter resolver holds it")
-        self.misses[name] = (self.clock() + self.negative_ttl_s, error)
-        raise error
+        error = unwrap(refusal) if refusal is not None else not_registered(name)
+        self._remember_miss(name, error)
+        raise fresh(type(error), str(error))

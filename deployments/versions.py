@@ -2,19 +2,23 @@
 
 A version is its own registry entry (``name@label``) with its own uid, so pools, KV and
 every cache keep the versions apart. Before a version first gets traffic it is pre-warmed:
-read into the host tier of every replica that holds a serving version, and loaded into a
-slot on those where one is resident (at least one replica). A version whose traffic drops
-to 0% is retired after a grace period, long enough for requests already sent to it to
-arrive: its entry goes, and each worker drains its requests and unloads it.
+read into the host tier of every live replica that holds a serving version, and loaded into
+a slot on those where one is resident (at least one replica), bounded by
+``prewarm_timeout_s``: the PUT returns with what was warmed and names what was not.
+A version whose traffic drops to 0% gets a ``retire_at`` one grace period ahead (by default
+``request_timeout_s``: by then every request that drew it has finished or timed out) and the
+directory removes it then; each worker drains its requests and unloads it. Every write is a
+compare-and-set on the entries' generations, so two concurrent splits cannot both apply.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import time
 from typing import Optional
 
 from engine.errors import AdapterExistsError
-from engine.request import ReplicaTarget
 from pool.errors import AdapterNotFoundError
 from routing.identity import mint_uid
 
@@ -23,7 +27,7 @@ from .fleet_admin import FleetAdmin
 from .registry import RegistryEntry
 from .traffic_split import check_label, check_split, families, label_of, version_entry_name, weights
 
-RETIRE_GRACE_S = 3.0
+PREWARM_POLL_S = 0.2  # how often a traffic PUT reads the view while versions warm
 
 
 class VersionedFleetAdmin(FleetAdmin):
@@ -38,20 +42,21 @@ class VersionedFleetAdmin(FleetAdmin):
             raise AdapterNotFoundError(f"adapter {name!r} is not registered")
         return family
 
-    async def register(self, spec: AdapterSpec) -> dict:
+    async def register(self, spec: AdapterSpec, expires_after_s: Optional[float] = None) -> dict:
         if any(e.version_of == spec.name for e in self.registry.entries.values()):
             raise AdapterExistsError(f"adapter {spec.name!r} is registered with versions; add one with "
                                      f"POST /v1/adapters/{spec.name}/versions")
-        return await super().register(spec)
+        return await super().register(spec, expires_after_s)
 
     async def unregister(self, name: str) -> dict:
-        """Remove the name and every version of it."""
+        """Remove the name and every version of it (at once, and only as read: 409 if it changed)."""
         await self.registry.refresh()
         family = self.family(name)
         if len(family) <= 1:
             return await super().unregister(family[0].name if family else name)
+        await self.directory.write_entries.remote([], {e.name: e.generation for e in family},
+                                                  tuple(e.name for e in family))
         for entry in family:
-            await self.directory.remove_adapter.remote(entry.name)
             self.registry.entries.pop(entry.name, None)
         return {"name": name, "uid": [e.uid for e in family], "status": "unregistered"}
 
@@ -65,6 +70,7 @@ class VersionedFleetAdmin(FleetAdmin):
         facts = await self.worker.validate_adapter.remote(entry_name, source, revision, uid)
         first = family[0]
         entry = RegistryEntry(name=entry_name, uid=uid, source=source, revision=revision, rank=facts["rank"],
+                              content=facts.get("content"),
                               version=label, version_of=name, traffic=0, max_concurrency=first.max_concurrency,
                               requests_per_s=first.requests_per_s)
         stored = await self.directory.put_adapter.remote(entry.to_dict())
@@ -74,50 +80,87 @@ class VersionedFleetAdmin(FleetAdmin):
         return stored
 
     async def set_traffic(self, name: str, split: dict[str, int]) -> dict:
-        """Pre-warm versions about to get their first traffic, publish the split, retire those now at 0%."""
+        """Pre-warm versions about to get their first traffic, then publish the split in one
+        compare-and-set write (409 if the family changed meanwhile); versions now at 0% retire later."""
         await self.registry.refresh()
         family = self._family_or_404(name)
         new = check_split(split, family)
         old = weights(family)
         by_label = {label_of(e): e for e in family}
         starting = [label for label in new if new[label] > 0 and old[label] == 0]
-        prewarmed = {label: await self.prewarm(by_label[label], [e for e in family if old[label_of(e)] > 0])
-                     for label in starting}
-        # raise before lowering, so no moment has every version at 0%
-        for label in sorted(new, key=lambda lb: new[lb] - old[lb], reverse=True):
-            entry = by_label[label]
-            if entry.traffic != new[label]:
-                await self.directory.put_adapter.remote({**entry.to_dict(), "traffic": new[label]}, if_absent=False)
+        serving = [e for e in family if old[label_of(e)] > 0]
+        warmed = await asyncio.gather(*(self.prewarm(by_label[label], serving) for label in starting))
+        generations = {e.name: e.generation for e in family}
+        for label, (_, generation) in zip(starting, warmed):   # the plan's write, part of this CAS chain
+            by_label[label] = dataclasses.replace(by_label[label], generation=generation, prewarm=None)
+            generations[by_label[label].name] = generation
+        retire_at = time.time() + self.retire_grace_s
+        updates, retiring = [], []
+        for label, entry in by_label.items():
+            if new[label] == 0 and old[label] > 0:
+                retiring.append(label)
+            due = entry.retire_at if new[label] == 0 and old[label] == 0 else None
+            when = retire_at if label in retiring else due
+            if label in retiring and self.retire_grace_s == 0:
+                continue   # removed by this very write (below)
+            if entry.traffic != new[label] or entry.retire_at != when or label in starting:
+                updates.append({**entry.to_dict(), "traffic": new[label], "retire_at": when})
+        removed = tuple(by_label[label].name for label in retiring) if self.retire_grace_s == 0 else ()
+        if updates or removed:  # one write: no moment has every version at 0%, and a concurrent split gets a 409
+            await self.directory.write_entries.remote(updates, generations, removed)
         await self.registry.refresh()
-        retiring = [label for label in new if new[label] == 0 and old[label] > 0]
-        if retiring:
-            await asyncio.sleep(RETIRE_GRACE_S)
-            for label in retiring:
-                await self.directory.remove_adapter.remote(by_label[label].name)
-            await self.registry.refresh()
-        return {"name": name, "traffic": new, "prewarmed": prewarmed, "retired": retiring}
+        prewarmed = {label: outcome for label, (outcome, _) in zip(starting, warmed)}
+        return {"name": name, "traffic": new, "prewarmed": prewarmed, "retired": retiring,
+                "retire_in_s": self.retire_grace_s if retiring else None}
 
-    async def prewarm(self, entry: RegistryEntry, serving: list[RegistryEntry]) -> dict[str, str]:
-        """Host tier where a serving version is held, a slot where one is resident (at least one replica)."""
+    @property
+    def retire_grace_s(self) -> float:
+        return self.args.version_retire_grace_s if self.args.version_retire_grace_s is not None \
+            else self.args.request_timeout_s
+
+    async def prewarm(self, entry: RegistryEntry, serving: list[RegistryEntry]) -> tuple[dict[str, str], int]:
+        """Host tier where a serving version is held, a slot where one is resident (at least one replica).
+
+        The plan is written on the entry (compare-and-set) and each live replica it names warms the
+        version itself when its registry follower sees it, so no call waits on a replica that is gone
+        or on a router queue; this waits for the directory's view to show the result, at most
+        ``prewarm_timeout_s``. Returns (replica -> "slot" | "host" | "timeout", the entry's new generation).
+        """
         replicas = (await self.directory.view.remote())["replicas"]
+        live = set(self.registry.replicas) & set(replicas) or set(replicas)
         old_uids = {e.uid for e in serving}
-        holders = sorted(r for r, s in replicas.items()
-                         if old_uids & (set(s["resident"]) | set(s["host_cached"]) | set(s["loading"])))
+        holders = sorted(r for r in live if old_uids & (set(replicas[r]["resident"]) |
+                                                        set(replicas[r]["host_cached"]) | set(replicas[r]["loading"])))
         slots = [r for r in holders if old_uids & set(replicas[r]["resident"])]
         if not slots:
-            slots = (holders or sorted(replicas))[:1]
-        targets = sorted(set(holders) | set(slots))
-        results = await asyncio.gather(*(
-            self.worker.prewarm_adapter.remote(ReplicaTarget(r), entry.name, r in slots) for r in targets))
-        return {r: "slot" if res["resident"] else "host" for r, res in zip(targets, results)}
+            slots = (holders or sorted(live))[:1]
+        plan = {r: "slot" if r in slots else "host" for r in sorted(set(holders) | set(slots))}
+        (written,) = await self.directory.write_entries.remote([{**entry.to_dict(), "prewarm": plan}],
+                                                               {entry.name: entry.generation})
+        return await self._wait_warm(entry.uid, plan), written["generation"]
+
+    async def _wait_warm(self, uid: str, plan: dict[str, str]) -> dict[str, str]:
+        deadline = time.monotonic() + self.args.prewarm_timeout_s
+        outcome: dict[str, str] = {}
+        while True:
+            replicas = (await self.directory.view.remote())["replicas"]
+            for r, want in plan.items():
+                state = replicas.get(r, {})
+                if uid in state.get("resident", ()):
+                    outcome[r] = "slot"
+                elif uid in state.get("host_cached", ()):
+                    outcome[r] = "host"
+            if all(outcome.get(r) == want or outcome.get(r) == "slot" for r, want in plan.items()) \
+                    or time.monotonic() >= deadline:
+                return {r: outcome.get(r, "timeout") for r in plan}
+            await asyncio.sleep(PREWARM_POLL_S)
 
     async def set_quota(self, name: str, max_concurrency: Optional[int], requests_per_s: Optional[float]) -> dict:
-        """The name's quota, written on every entry of the name (each ingress reads it from the registry)."""
+        """The name's quota, written on every entry of the name at once (each ingress reads it from the registry)."""
         await self.registry.refresh()
         family = self._family_or_404(name)
-        for entry in family:
-            await self.directory.put_adapter.remote(
-                {**entry.to_dict(), "max_concurrency": max_concurrency, "requests_per_s": requests_per_s},
-                if_absent=False)
+        await self.directory.write_entries.remote(
+            [{**e.to_dict(), "max_concurrency": max_concurrency, "requests_per_s": requests_per_s} for e in family],
+            {e.name: e.generation for e in family})
         await self.registry.refresh()
         return {"name": name, "max_concurrency": max_concurrency, "requests_per_s": requests_per_s}

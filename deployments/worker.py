@@ -31,6 +31,7 @@ from routing.pins import pin_holders
 from routing.ray_router import check_router_kwargs
 
 from .autoscaling import LOADS_METRIC, PINNED_METRIC, SLOTS_METRIC, sketch_metric
+from .content_version import SourceChangedError, check_unchanged, content_version
 from .config import AppArgs, resolve_demo_source
 from .engine_metrics import EngineMetrics
 from .event_buffer import EventBuffer
@@ -89,6 +90,8 @@ class LoRAWorker:
         self.load_timings = LoadTimings()
         self._load_locks: dict[str, asyncio.Lock] = {}
         self._retiring: set[str] = set()
+        self._prewarmed: set[str] = set()  # uids a rollout's pre-warm plan asked of this replica (started)
+        self._warming: set[asyncio.Task] = set()
         self._refused_pins: set[str] = set()  # uids whose refused pin was logged (the pin loop retries each second)
         self.demand = DemandWindow(self.args.demand_window_s)
         self.demand.observe_loads(0, time.monotonic())  # warm-up loads count too
@@ -201,7 +204,8 @@ class LoRAWorker:
         uid = entry.uid
         if not self.engine.is_resident(uid) and not self.engine.host_cached(uid):
             # evicted from the host tier too: re-read it here, off the engine thread, so the step
-            # that loads it into a slot does a memory copy instead of a file read
+            # that loads it into a slot does a memory copy instead of a file read (of what was registered)
+            await asyncio.to_thread(check_unchanged, self.engine.store.record(uid), entry.content)
             with self.load_timings.disk_read():
                 await asyncio.to_thread(self.engine.fetch_to_host, uid)
 
@@ -210,8 +214,13 @@ class LoRAWorker:
         try:
             source = await asyncio.to_thread(resolve_demo_source, entry.source)
             with self.load_timings.disk_read():
-                await asyncio.to_thread(self.engine.register_adapter, entry.name, source, revision=entry.revision,
-                                        uid=entry.uid, pinned=pinned)
+                record = await asyncio.to_thread(self.engine.register_adapter, entry.name, source,
+                                                 revision=entry.revision, uid=entry.uid, pinned=pinned)
+            try:
+                await asyncio.to_thread(check_unchanged, record, entry.content)
+            except SourceChangedError:
+                await asyncio.to_thread(self.engine.unregister_uid, entry.uid, 0.0)  # never serve other weights
+                raise
         finally:
             self.loading.discard(entry.uid)
 
@@ -221,18 +230,30 @@ class LoRAWorker:
         """Read and validate an adapter on this replica (registration's first step); returns its facts."""
         path = await asyncio.to_thread(resolve_demo_source, source)
         record = await asyncio.to_thread(self.engine.validate_adapter_files, uid, path, name=name, revision=revision)
-        return {"rank": record.rank, "bytes": record.nbytes, "folder": str(record.folder)}
+        return {"rank": record.rank, "bytes": record.nbytes, "folder": str(record.folder),
+                "content": await asyncio.to_thread(content_version, record)}
 
     async def prewarm_adapter(self, target: ReplicaTarget, name: str, into_slot: bool = False) -> dict:
         """Bring a registered adapter into this replica's host tier (and a slot) before traffic reaches it."""
         if target.target_replica != self.replica_id:
             raise RuntimeError(f"prewarm for {target.target_replica} reached replica {self.replica_id}")
-        await self._ensure_adapter(name)
-        if into_slot:  # a one-token request loads it the way traffic would
-            await self.engine.generate(GenerateRequest(adapter=name, prompt="warm", max_tokens=1))
+        await self._prewarm(name, into_slot)
         uid = self.engine.current_uid(name)
         return {"replica": self.replica_id, "resident": self.engine.is_resident(uid),
                 "host_cached": self.engine.host_cached(uid)}
+
+    async def _prewarm(self, name: str, into_slot: bool) -> None:
+        await self._ensure_adapter(name)
+        if into_slot:  # a one-token request loads it the way traffic would
+            await self.engine.generate(GenerateRequest(adapter=name, prompt="warm", max_tokens=1))
+
+    async def _prewarm_planned(self, name: str, uid: str, into_slot: bool) -> None:
+        """A rollout's pre-warm plan names this replica (deployments/versions.py): warm it, best effort."""
+        try:
+            await self._prewarm(name, into_slot)
+        except Exception as exc:  # the PUT reports this replica as not warmed; traffic still loads it
+            log.warning("lorafleet worker %s: pre-warm of %s failed (%r)", self.replica_id, name, exc)
+            self._prewarmed.discard(uid)
 
     def pool_state(self, target: Optional[ReplicaTarget] = None) -> dict:
         """This replica's pool, exactly; call it with a ``ReplicaTarget`` to ask one replica."""
@@ -332,7 +353,15 @@ class LoRAWorker:
                 await asyncio.sleep(0.5)
 
     async def _registry_changed(self, old: dict[str, RegistryEntry], new: dict[str, RegistryEntry]) -> None:
-        """Retire registrations removed or replaced (by uid, so a newer uid of the name is safe); re-apply pins."""
+        """Retire registrations removed or replaced (by uid, so a newer uid of the name is safe); warm what a
+        rollout's plan asks of this replica; re-apply pins."""
+        for name, entry in new.items():
+            plan = (entry.prewarm or {}).get(self.replica_id)
+            if plan is not None and entry.uid not in self._prewarmed:
+                self._prewarmed.add(entry.uid)
+                task = asyncio.get_running_loop().create_task(self._prewarm_planned(name, entry.uid, plan == "slot"))
+                self._warming.add(task)   # held until done (the loop keeps only weak references)
+                task.add_done_callback(self._warming.discard)
         for name, entry in old.items():
             if (name not in new or new[name].uid != entry.uid) and entry.uid not in self._retiring:
                 self._retiring.add(entry.uid)
@@ -344,6 +373,7 @@ class LoRAWorker:
             await asyncio.to_thread(self.engine.unregister_uid, uid, self.args.drain_timeout_s)
         finally:
             self._retiring.discard(uid)
+            self._prewarmed.discard(uid)
             self._load_locks.pop(uid, None)  # per-uid state goes with the uid
 
     async def _pin_loop(self) -> None:

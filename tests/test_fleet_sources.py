@@ -58,7 +58,8 @@ def sources_fleet(ray_cluster, http_base, demo_assets, s3, resolve_root, tmp_pat
                    adapter_roots=[str(demo_assets.model_dir.parents[1]), str(resolve_root)],
                    object_store_prefixes=[f"s3://{BUCKET}/team", f"s3://{BUCKET}/resolve"],
                    adapter_cache_dir=str(tmp_path_factory.mktemp("node-cache")),
-                   adapter_resolvers=[str(resolve_root), f"s3://{BUCKET}/resolve"])
+                   adapter_resolvers=[str(resolve_root), f"s3://{BUCKET}/resolve"],
+                   version_retire_grace_s=0)   # retire at once: requests still queued for it must re-pick
     worker_options = {"num_replicas": 2, "ray_actor_options": {"num_cpus": 1, "runtime_env": {"env_vars": s3.env()}}}
     serve.run(build_fleet(args, worker_options), name=APP, route_prefix=f"/{APP}")
     yield {"base": f"{http_base}/{APP}", "demo_dir": demo_dir}
@@ -151,8 +152,13 @@ def test_version_flip_under_traffic(sources_fleet):
         assert half.status_code == 200, half.text
         assert "slot" in half.json()["prewarmed"]["v2"].values()
         wait_until(lambda: Counter(label for _, label, _, _ in results)["v2"] >= 3, 120, "v2 to serve traffic")
-        full = admin("PUT", f"{base}/v1/adapters/flip/traffic", json={"v2": 100})
+        with ThreadPoolExecutor(12) as burst:   # more than the fleet runs at once: some queue for v1
+            queued = [burst.submit(complete, base, "flip", "flip") for _ in range(12)]
+            full = admin("PUT", f"{base}/v1/adapters/flip/traffic", json={"v2": 100})
+            burst_replies = [f.result() for f in queued]
         assert full.status_code == 200 and full.json()["retired"] == ["v1"], full.text
+        assert [r.status_code for r in burst_replies] == [200] * 12, [r.text for r in burst_replies]
+        assert all(r.json()["choices"][0]["text"] == expected[r.headers[VERSION_HEADER]] for r in burst_replies)
         flipped_at = len(results)
         wait_until(lambda: len(results) >= flipped_at + 4, 120, "traffic after the flip")
     finally:
@@ -163,9 +169,9 @@ def test_version_flip_under_traffic(sources_fleet):
     assert all(model == "flip" for _, _, model, _ in results)
     assert all(text == expected[label] for _, label, _, text in results), Counter((l, t) for _, l, _, t in results)
     assert {label for _, label, _, _ in results[flipped_at + 2:]} == {"v2"}
-    state = admin("GET", f"{base}/v1/adapters").json()
-    names = {a["name"]: a for a in state["data"]}
-    assert "flip" not in names and names["flip@v2"]["traffic"] == 100
+    names = lambda: {a["name"]: a for a in admin("GET", f"{base}/v1/adapters").json()["data"]}
+    wait_until(lambda: "flip" not in names(), 30, "the directory to retire v1 once its grace passed")
+    assert names()["flip@v2"]["traffic"] == 100
     v1_uid_gone = lambda: not any(u.startswith("flip@") and not u.startswith("flip@v2")
                                   for s in admin("GET", f"{base}/v1/adapters").json()["replicas"].values()
                                   for u in s["resident"])
@@ -206,3 +212,40 @@ def test_quota_429s_name_the_adapter(sources_fleet, metrics_url):
         return (c, r) if c >= codes[429] and r >= rate_codes[429] else None
 
     wait_until(counted, 60, "quota rejections on the metrics endpoint", interval_s=1.0)
+
+
+def test_admin_writes_are_compare_and_set(sources_fleet):
+    """A write based on an entry that changed meanwhile is refused (409) and changes nothing."""
+    from ray import serve
+
+    from deployments.registry import RegistryConflictError
+
+    base = sources_fleet["base"]
+    directory = serve.get_deployment_handle("AdapterDirectory", app_name=APP)
+    entries = lambda: {e["name"]: e for e in directory.get_registry.remote(-1, 0.0).result(timeout_s=30)["entries"]}
+    stale = entries()["quota-a"]
+    assert admin("PUT", f"{base}/v1/adapters/quota-a/quota", json={"max_concurrency": 7}).status_code == 200
+    with pytest.raises(RegistryConflictError, match="changed meanwhile"):
+        directory.write_entries.remote([{**stale, "max_concurrency": 3}],
+                                       {"quota-a": stale["generation"]}).result(timeout_s=30)
+    assert entries()["quota-a"]["max_concurrency"] == 7        # the newer write stands
+    with pytest.raises(RegistryConflictError):                 # a write cannot bring back a removed entry
+        directory.write_entries.remote([{**stale, "name": "gone"}], {"gone": 1}).result(timeout_s=30)
+    assert "gone" not in entries()
+    assert admin("PUT", f"{base}/v1/adapters/quota-a/quota", json={}).status_code == 200
+
+
+def test_a_source_edited_after_registration_is_refused_not_served(sources_fleet, demo_assets, resolve_root):
+    """The weights were validated at registration; a replica that reads other bytes later serves nothing."""
+    folder = resolve_root / "edited-src"
+    shutil.copytree(demo_assets.adapters["demo-1"], folder)
+    base = sources_fleet["base"]
+    reply = admin("POST", f"{base}/v1/adapters", json={"name": "edited", "source": str(folder)})
+    assert reply.status_code == 201 and reply.json()["content"].startswith("local:"), reply.text
+    weights = folder / "adapter_model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))                 # edited in place before any replica loaded it
+    refused = complete(base, "edited")
+    assert refused.status_code == 409 and refused.json()["error"]["code"] == "source_changed", refused.text
+    assert admin("DELETE", f"{base}/v1/adapters/edited").status_code == 200

@@ -71,3 +71,14 @@ def test_errors_from_a_replica_are_unwrapped():
 def test_retry_after_where_retrying_helps():
     assert error_response(EngineShutdownError("stopping")).headers["Retry-After"] == "1"
     assert "Retry-After" not in error_response(InvalidRequestError("x", "bad")).headers
+
+
+def test_ingress_errors_keep_their_fields_across_ray_calls():
+    """Handle callers get the ingress's own 429/504 (pickled across the call), status and code intact."""
+    import pickle
+
+    from deployments.http_errors import HTTPError
+
+    error = pickle.loads(pickle.dumps(HTTPError(429, "full", param="model", code="overloaded", retry_after=1)))
+    assert (error.status, str(error), error.param, error.code, error.retry_after) == (429, "full", "model",
+                                                                                      "overloaded", 1)

@@ -129,7 +129,7 @@ def test_a_body_under_the_limit_passes():
 
 
 def test_every_text_field_counts_toward_the_prompt_limit():
-    from deployments.openai_routes import text_chars
+    from deployments.front_door import text_chars
     from engine.request import GenerateRequest
 
     request = GenerateRequest(messages=[{"role": "user", "content": "abcd"}], stop=["xy", "z"])

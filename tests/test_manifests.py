@@ -291,6 +291,9 @@ def test_serve_config_validates_with_ray_schema_and_app_args(name):
         assert router["request_router_kwargs"]["load_bound_epsilon"] == args.load_bound_epsilon
         names = [a.name for a in args.startup_adapters()]
         assert len(names) == len(set(names))
+        for deployment in app["deployments"]:   # a drain must outlast the longest request it may cut
+            if deployment["name"] in ("LoRAWorker", "LoRAFleetIngress"):
+                assert deployment.get("graceful_shutdown_timeout_s", 20) >= args.request_timeout_s, deployment["name"]
 
 
 def test_gpu_serve_config_is_production_shaped():

@@ -254,3 +254,40 @@ def test_a_weights_file_larger_than_any_valid_adapter_is_refused_before_reading(
         load_adapter_folder(folder, shape, 16)
     with pytest.raises(AdapterTooLargeError, match="100 bytes"):
         load_adapter_folder(demo_assets.adapters["demo-1"], shape, 16, max_bytes=100)
+
+
+def test_hub_failures_are_reported_as_what_they_are():
+    """Gated or refused: 403; missing: 404; the hub down or rate-limiting: retry later (never a 404)."""
+    import httpx2
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        OfflineModeIsEnabled,
+        RepositoryNotFoundError,
+    )
+
+    from pool.errors import SourceAccessDeniedError, SourceUnavailableError
+    from pool.sources.hub import hub_error
+
+    def response(status: int):
+        return httpx2.Response(status, request=httpx2.Request("GET", "https://huggingface.co/api/models/acme/x"))
+
+    def after(cause: BaseException) -> LocalEntryNotFoundError:
+        error = LocalEntryNotFoundError("no cached snapshot")
+        error.__cause__ = cause
+        return error
+
+    cases = [
+        (GatedRepoError("gated", response=response(403)), SourceAccessDeniedError),
+        (HfHubHTTPError("refused", response=response(401)), SourceAccessDeniedError),
+        (RepositoryNotFoundError("missing", response=response(404)), AdapterNotFoundError),
+        (HfHubHTTPError("slow down", response=response(429)), SourceUnavailableError),
+        (HfHubHTTPError("down", response=response(503)), SourceUnavailableError),
+        (after(httpx2.ConnectError("refused")), SourceUnavailableError),
+        (after(HfHubHTTPError("down", response=response(502))), SourceUnavailableError),
+        (after(OfflineModeIsEnabled("offline")), AdapterNotFoundError),
+        (LocalEntryNotFoundError("local_files_only and not cached"), AdapterNotFoundError),
+    ]
+    for exc, expected in cases:
+        assert type(hub_error(exc, "hub adapter 'acme/x'")) is expected, exc

@@ -10,9 +10,9 @@ import pytest
 
 from deployments.config import AdapterSpec
 from deployments.http_errors import HTTPError
-from deployments.quotas import AdapterQuotas
+from deployments.quotas import AdapterQuotas, replica_share
 from deployments.registry import RegistryEntry
-from deployments.resolvers import AdapterResolver
+from deployments.resolvers import AdapterResolver, LookupLimiter
 from deployments.traffic_split import check_label, check_split, families, label_of, pick, weights
 from engine.errors import AdapterExistsError, InvalidRequestError
 from pool.adapter import load_adapter_folder
@@ -90,7 +90,7 @@ def test_concurrency_quota_refuses_naming_the_adapter_and_frees_on_release():
 
 def test_rate_quota_is_a_token_bucket_shared_across_ingress_replicas():
     clock = Clock()
-    quotas = AdapterQuotas(ingress_replicas=2, clock=clock, metrics=False)   # this replica's share: 5/s
+    quotas = AdapterQuotas(placement=lambda: (2, 1), clock=clock, metrics=False)   # this replica's part: 5/s
     admitted = 0
     for _ in range(20):
         try:
@@ -101,7 +101,34 @@ def test_rate_quota_is_a_token_bucket_shared_across_ingress_replicas():
     assert admitted == 5
     clock.now = 0.4                                                          # 0.4 s refills 2 tokens
     assert sum(_try(quotas, "a") for _ in range(5)) == 2
-    assert AdapterQuotas(ingress_replicas=4, metrics=False).acquire("b", 2, None)  # a share rounds down to >= 1
+
+
+@pytest.mark.parametrize("limit", [1, 2, 3, 5])
+def test_concurrency_quota_is_exact_over_two_ingress_replicas(limit):
+    """Two replicas each admit all they can: together never more than the limit, and exactly it."""
+    replicas = [AdapterQuotas(placement=lambda rank=rank: (2, rank), metrics=False) for rank in (0, 1)]
+    held = [_acquire_all(q, "a", limit) for q in replicas]
+    assert sum(len(h) for h in held) == limit
+    assert replica_share(limit, 2, None) * 2 <= limit          # an unknown rank never over-admits
+
+
+def test_concurrency_quota_follows_the_live_replica_count():
+    placement = [(1, 0)]
+    quotas = AdapterQuotas(placement=lambda: placement[0], metrics=False)
+    assert len(_acquire_all(quotas, "a", 4)) == 4              # alone: the whole limit
+    placement[0] = (2, 1)                                     # a second ingress replica joined; this is rank 1
+    fresh = AdapterQuotas(placement=lambda: placement[0], metrics=False)
+    assert len(_acquire_all(fresh, "a", 4)) == 2
+    assert sum(replica_share(7, 3, rank) for rank in range(3)) == 7
+
+
+def _acquire_all(quotas, name, limit):
+    held = []
+    while True:
+        try:
+            held.append(quotas.acquire(name, limit, None))
+        except HTTPError:
+            return held
 
 
 def _try(quotas, name) -> bool:
@@ -160,7 +187,7 @@ def test_resolver_tries_roots_in_order_once_and_remembers_misses(demo_assets, sh
     assert registered == {"demo-1": f"{adapters}/demo-1"}
     assert calls == [f"{tmp_path}/empty/demo-1", f"{adapters}/demo-1",
                      f"{tmp_path}/empty/nope", f"{adapters}/nope", f"{tmp_path}/empty/nope", f"{adapters}/nope"]
-    assert resolver.lookups == 4 and resolver.resolved == 1
+    assert resolver.lookups == 3 and resolver.resolved == 1   # the invalid name was no lookup
 
 
 def test_resolver_reports_an_invalid_adapter_and_respects_allow_lists(demo_assets, shape, tmp_path):
@@ -183,3 +210,107 @@ def test_resolver_roots_propose_root_slash_name():
     for bad in ("relative/folder", "s3://", "azure://c/x", ".."):
         with pytest.raises(ValueError):
             validate_resolver_roots([bad])
+
+
+def test_resolver_bounds_what_bogus_names_cost(tmp_path):
+    """Invalid names cost nothing; misses are an LRU of fixed size; each request gets its own error."""
+    calls: list[str] = []
+
+    async def register(spec: AdapterSpec) -> dict:
+        calls.append(spec.name)
+        raise AdapterNotFoundError(f"{spec.source} does not exist")
+
+    clock = Clock()
+    resolver = AdapterResolver([str(tmp_path)], register, negative_ttl_s=30, clock=clock, max_misses=8)
+
+    async def errors_for(name, n):
+        caught = []
+        for _ in range(n):
+            try:
+                await resolver.resolve(name)
+            except AdapterNotFoundError as exc:
+                caught.append(exc)
+        return caught
+
+    huge = "x" * (1 << 20)
+    invalid = asyncio.run(errors_for(huge, 3)) + asyncio.run(errors_for("a/b", 1))
+    assert calls == [] and not resolver.misses and len(invalid) == 4
+    assert len(str(invalid[0])) < 300                               # a 1 MiB name is not echoed back
+    repeated = asyncio.run(errors_for("bogus", 50))
+    assert calls == ["bogus"] and len({id(e) for e in repeated}) == 50   # one lookup, a fresh error each time
+    assert all(e.__traceback__ is None or _depth(e.__traceback__) < 10 for e in repeated)
+    asyncio.run(errors_for_all(resolver, [f"bogus-{i}" for i in range(100)]))
+    assert len(resolver.misses) == 8 and "bogus-99" in resolver.misses and "bogus" not in resolver.misses
+
+
+async def errors_for_all(resolver, names):
+    for name in names:
+        with pytest.raises(AdapterNotFoundError):
+            await resolver.resolve(name)
+
+
+def _depth(tb) -> int:
+    n = 0
+    while tb is not None:
+        n, tb = n + 1, tb.tb_next
+    return n
+
+
+def test_resolver_lookups_are_limited_to_the_replica_part_of_the_fleet_rate(tmp_path):
+    clock = Clock()
+    started = asyncio.Event()
+    release = asyncio.Event()
+    calls: list[str] = []
+
+    async def register(spec: AdapterSpec) -> dict:
+        calls.append(spec.name)
+        started.set()
+        await release.wait()
+        raise AdapterNotFoundError("no")
+
+    # fleet: 4 lookups/s, 2 at once, over 2 ingress replicas -> this one (rank 0): 2/s, 1 at once
+    limiter = LookupLimiter(4.0, 2, placement=lambda: (2, 0), clock=clock)
+    resolver = AdapterResolver([str(tmp_path)], register, clock=clock, limiter=limiter)
+
+    async def scenario():
+        first = asyncio.ensure_future(resolver.resolve("n-0"))
+        await started.wait()
+        with pytest.raises(HTTPError) as busy:       # one lookup runs: the second waits for none, it is refused
+            await resolver.resolve("n-1")
+        assert busy.value.status == 429 and busy.value.code == "resolver_busy" and busy.value.retry_after == 1
+        release.set()
+        with pytest.raises(AdapterNotFoundError):
+            await first
+        with pytest.raises(AdapterNotFoundError):
+            await resolver.resolve("n-2")              # the second token of this second
+        with pytest.raises(HTTPError):
+            await resolver.resolve("n-3")              # rate: 2 per second here
+        clock.now = 0.5                                # half a second refills one
+        with pytest.raises(AdapterNotFoundError):
+            await resolver.resolve("n-4")
+
+    asyncio.run(scenario())
+    assert calls == ["n-0", "n-2", "n-4"] and "n-1" not in resolver.misses and limiter.running == 0
+
+
+def test_a_local_folder_content_version_follows_its_bytes_not_its_mtime(demo_assets, tmp_path):
+    import os
+    import shutil
+
+    from deployments.content_version import SourceChangedError, check_unchanged, folder_fingerprint
+    from pool.store import AdapterRecord
+
+    folder = tmp_path / "a"
+    shutil.copytree(demo_assets.adapters["demo-0"], folder)
+    registered = folder_fingerprint(folder)
+    weights = folder / "adapter_model.safetensors"
+    os.utime(weights, ns=(1, 1))                                  # another node's copy: same bytes, other mtime
+    assert folder_fingerprint(folder) == registered
+    record = AdapterRecord(uid="a@1", name="a", source=str(folder), revision=None, folder=folder, rank=4, nbytes=1)
+    check_unchanged(record, registered)
+    check_unchanged(record, None)                                 # registered before versions were recorded
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF                                              # one weight byte edited in place
+    weights.write_bytes(bytes(data))
+    with pytest.raises(SourceChangedError, match="register it again"):
+        check_unchanged(record, registered)

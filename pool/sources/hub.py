@@ -12,7 +12,13 @@ from pathlib import Path
 from typing import Optional
 
 from ..adapter import CONFIG_FILE, WEIGHTS_FILE
-from ..errors import AdapterNotFoundError, SourceNotAllowedError
+from ..errors import (
+    AdapterNotFoundError,
+    LoRAFleetError,
+    SourceAccessDeniedError,
+    SourceNotAllowedError,
+    SourceUnavailableError,
+)
 from .policy import SourcePolicy
 from .resolved import ResolvedSource
 
@@ -40,5 +46,35 @@ def resolve_hub_source(source: str, revision: Optional[str], policy: SourcePolic
     try:
         path = Path(snapshot_download(repo_id=source, revision=revision, allow_patterns=HUB_ALLOW_PATTERNS))
     except (RepositoryNotFoundError, RevisionNotFoundError, LocalEntryNotFoundError, HfHubHTTPError) as exc:
-        raise AdapterNotFoundError(f"hub adapter {source!r} (revision {revision or 'main'}) not found: {exc}") from exc
+        raise hub_error(exc, f"hub adapter {source!r} (revision {revision or 'main'})") from exc
     return ResolvedSource(path, "hub", path.name)
+
+
+def hub_error(exc: BaseException, what: str) -> LoRAFleetError:
+    """What a hub failure is: gated or refused (403), missing (404), or the hub down or rate-limiting
+    (retry later: 503). An outage is never reported, or remembered by a resolver, as a missing adapter."""
+    from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, OfflineModeIsEnabled
+
+    if isinstance(exc, GatedRepoError):
+        return SourceAccessDeniedError(f"{what} is gated: this server's token has no access ({exc})")
+    status = _http_status(exc)
+    offline = isinstance(exc.__cause__, OfflineModeIsEnabled)   # configured offline and not cached: not here
+    if isinstance(exc, LocalEntryNotFoundError) and exc.__cause__ is not None and not offline:
+        status = _http_status(exc.__cause__) or 503   # the hub could not be reached, and nothing is cached
+    if status in (401, 403):
+        return SourceAccessDeniedError(f"{what}: access denied ({exc})")
+    if status == 429 or (status is not None and status >= 500):
+        return SourceUnavailableError(f"{what}: the hub is unavailable or rate-limiting (HTTP {status}); retry later")
+    return AdapterNotFoundError(f"{what} not found: {exc}")
+
+
+def _http_status(exc: BaseException) -> Optional[int]:
+    from huggingface_hub.errors import HfHubHTTPError
+
+    if isinstance(exc, HfHubHTTPError) and getattr(exc, "response", None) is not None:
+        from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
+
+        if isinstance(exc, (RepositoryNotFoundError, RevisionNotFoundError)):
+            return 404
+        return exc.response.status_code
+    return None

@@ -1,0 +1,191 @@
+"""Hostile traffic at the front door: a flood of bogus model names with resolvers on.
+
+Why: the first-request resolver is open to anyone who can send a request. A flood of
+names nobody registered must not grow the ingress's memory, must not turn into more
+worker lookups (hub or S3 calls) than ``adapter_resolver_lookups_per_s`` allows, and must
+not slow ordinary requests. Phases, with ordinary traffic (``--clients`` threads on a
+registered adapter) running throughout:
+
+1. baseline: ordinary traffic alone;
+2. repeats: one bogus name sent ``--repeats`` times (memory after the first tenth must not grow);
+3. flood: ``--names`` unique bogus names at ``--flood-rate`` requests per second.
+
+The ingress's RSS is read from /proc before and after phases 2 and 3, its lookup counter
+through the app handle.
+
+    python -m benchmarks.abuse [--quick] [--json PATH] [--names N] [--flood-rate R] [--repeats N]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from benchmarks import common
+from benchmarks.rollout import Traffic, percentile_ms, start_local_serve
+
+APP = "abuse-bench"
+LOOKUPS_PER_S = 5.0
+
+
+def rss_mb(pid: int) -> float:
+    """Resident set size of a process on this node, from /proc (Linux)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def ordinary_row(traffic: Traffic, phase: str) -> dict:
+    ok = [x.seconds for x in traffic.samples if x.phase == phase and x.status == 200]
+    return {"phase": phase, "ordinary": len(ok),
+            "ordinary_errors": sum(1 for x in traffic.samples if x.phase == phase and x.status != 200),
+            "p50_ms": percentile_ms(ok, 50), "p99_ms": percentile_ms(ok, 99)}
+
+
+async def flood(base: str, names: list[str], rate: float, concurrency: int = 8) -> dict:
+    """Send one completion per name, paced at ``rate`` per second; count the statuses."""
+    statuses: dict[int, int] = {}
+    queue: asyncio.Queue = asyncio.Queue()
+    for name in names:
+        queue.put_nowait(name)
+    started = time.perf_counter()
+    sent = 0
+
+    async def sender(client: httpx.AsyncClient) -> None:
+        nonlocal sent
+        while not queue.empty():
+            name = queue.get_nowait()
+            due = started + sent / rate
+            sent += 1
+            delay = due - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            try:
+                r = await client.post(f"{base}/v1/completions",
+                                      json={"model": name, "prompt": "x", "max_tokens": 1})
+                code = r.status_code
+            except httpx.HTTPError:
+                code = -1
+            statuses[code] = statuses.get(code, 0) + 1
+
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+        await asyncio.gather(*(sender(client) for _ in range(concurrency)))
+    return {"statuses": statuses, "seconds": time.perf_counter() - started}
+
+
+def main(argv=None) -> dict:
+    parser = common.base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--names", type=int, default=10_000, help="unique bogus names in the flood (default 10000)")
+    parser.add_argument("--flood-rate", type=float, default=None,
+                        help="bogus requests per second (default 150, --quick 150)")
+    parser.add_argument("--repeats", type=int, default=1000, help="requests for one bogus name (default 1000)")
+    parser.add_argument("--clients", type=int, default=2, help="ordinary clients (default 2)")
+    parser.add_argument("--cpus", type=int, default=4, help="CPUs for the local Ray cluster (default 4)")
+    args = parser.parse_args(argv)
+    rate = args.flood_rate or 150.0
+    baseline_s = 15.0 if args.quick else 40.0
+    all_started = time.perf_counter()
+
+    import ray
+    from ray import serve
+
+    from deployments.app import build_fleet
+    from deployments.config import AppArgs
+    from engine.demo import ensure_demo_assets
+
+    work = Path(tempfile.mkdtemp(prefix="lorafleet-abuse-"))
+    assets = ensure_demo_assets(num_adapters=2)
+    (work / "resolve").mkdir()
+    port, base = start_local_serve(args.cpus)
+    demo_dir = assets.adapters["demo-0"].parent
+    app_args = AppArgs(max_loras_per_batch=3, max_lora_rank=16, max_batch_size=4, max_tokens_limit=64,
+                       max_model_len=256, host_cache_bytes=64 << 20,
+                       adapters=[{"name": "support", "source": str(demo_dir / "demo-0")}],
+                       adapter_roots=[str(demo_dir), str(work / "resolve")],
+                       adapter_resolvers=[str(work / "resolve")], adapter_resolver_lookups_per_s=LOOKUPS_PER_S)
+    rows: list[dict] = []
+    try:
+        serve.run(build_fleet(app_args, {"num_replicas": 1, "ray_actor_options": {"num_cpus": 1}}),
+                  name=APP, route_prefix="/")
+        ingress = serve.get_app_handle(APP)
+        stats = lambda: ingress.admission_stats.remote().result(timeout_s=30)   # noqa: E731
+        pid = stats()["pid"]
+        print(f"abuse: deployed; ingress pid {pid}; {args.clients} ordinary clients; flood of {args.names} names at "
+              f"{rate:.0f}/s; lookups limited to {LOOKUPS_PER_S:g}/s", flush=True)
+        traffic = Traffic(base, "support", args.clients, max_tokens=8)
+        traffic.start()
+        time.sleep(3.0)
+        traffic.phase = "baseline"
+        time.sleep(baseline_s)
+
+        traffic.phase = "repeats"   # the first tenth warms the 404 path; memory must then stay put
+        warm = max(1, args.repeats // 10)
+        first = asyncio.run(flood(base, ["bogus-repeated"] * warm, rate))
+        before_repeats = rss_mb(pid)
+        repeated = asyncio.run(flood(base, ["bogus-repeated"] * (args.repeats - warm), rate))
+        after_repeats = rss_mb(pid)
+        for code, n in first["statuses"].items():
+            repeated["statuses"][code] = repeated["statuses"].get(code, 0) + n
+
+        traffic.phase = "flood"
+        lookups_before = stats()["resolver_lookups"]
+        before_flood = rss_mb(pid)
+        flooded = asyncio.run(flood(base, [f"bogus-{i:06d}-{os.urandom(4).hex()}" for i in range(args.names)], rate))
+        after_flood = rss_mb(pid)
+        final = stats()
+        traffic.stop()
+        lookups = final["resolver_lookups"] - lookups_before
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        port.close()
+        shutil.rmtree(work, ignore_errors=True)
+
+    baseline_row, repeats_row, flood_row = (ordinary_row(traffic, p) for p in ("baseline", "repeats", "flood"))
+    rows = [
+        {**baseline_row, "bogus_sent": 0, "bogus_statuses": "-", "rss_before_mb": None, "rss_after_mb": None},
+        {**repeats_row, "bogus_sent": args.repeats, "bogus_statuses": repeated["statuses"],
+         "rss_before_mb": before_repeats, "rss_after_mb": after_repeats},
+        {**flood_row, "bogus_sent": args.names, "bogus_statuses": flooded["statuses"],
+         "rss_before_mb": before_flood, "rss_after_mb": after_flood},
+    ]
+    print()
+    common.print_table(rows, ["phase", "ordinary", "ordinary_errors", "p50_ms", "p99_ms", "bogus_sent",
+                              "bogus_statuses", "rss_before_mb", "rss_after_mb"],
+                       title="Bogus model names vs ordinary requests (one ingress replica)", floatfmt=".1f")
+    growth = after_flood - before_flood
+    repeat_growth = after_repeats - before_repeats
+    lookups_per_s = lookups / flooded["seconds"]
+    ratio = flood_row["p99_ms"] / baseline_row["p99_ms"]
+    print(f"\nflood: {flooded['seconds']:.1f} s, {lookups} resolver lookups ({lookups_per_s:.2f}/s), "
+          f"{final['resolver_refused']} refused by the lookup limit, {final['resolver_misses_held']} misses held")
+    goals = [
+        common.goal("abuse_ingress_rss_growth_mb", round(growth, 2), "< 20", growth < 20),
+        common.goal("abuse_repeat_rss_growth_mb", round(repeat_growth, 2), "< 2", repeat_growth < 2),
+        common.goal("abuse_worker_lookups_per_s", round(lookups_per_s, 3), f"<= {LOOKUPS_PER_S:g}",
+                    lookups_per_s <= LOOKUPS_PER_S),
+        common.goal("abuse_ordinary_p99_ratio", round(ratio, 3), "<= 1.1", ratio <= 1.1),
+        common.goal("abuse_ordinary_errors", flood_row["ordinary_errors"] + repeats_row["ordinary_errors"], "== 0",
+                    flood_row["ordinary_errors"] + repeats_row["ordinary_errors"] == 0),
+    ]
+    print()
+    common.print_goals(goals)
+    print(f"\ntotal {common.elapsed_since(all_started)}")
+    if args.json:
+        common.write_json(args.json, "abuse", rows,
+                          common.settings_of(args, flood_rate=rate, baseline_s=baseline_s,
+                                             lookups_per_s_limit=LOOKUPS_PER_S), goals=goals)
+    return {"rows": rows, "goals": goals}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""One front door on a live fleet: exact quotas over two ingress replicas, and handle calls
+admitted exactly like HTTP ones (prompt limit, in-flight bound, quotas) through a real
+DeploymentHandle.
+
+The app here (``guarded`` at ``/guarded``) has two ingress replicas, one worker, a small
+in-flight bound and prompt limit, and long generations allowed (so requests overlap).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from conftest import ADMIN_TOKEN, FLEET_ARGS
+from waiting import wait_until
+
+APP = "guarded"
+AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+MAX_PROMPT_CHARS = 200
+INGRESS_INFLIGHT = 2
+
+
+@pytest.fixture(scope="module")
+def guarded(ray_cluster, http_base, demo_assets):
+    from ray import serve
+
+    from deployments.app import build_fleet
+    from deployments.config import AppArgs
+
+    args = AppArgs(**{**FLEET_ARGS, "max_tokens_limit": 512, "max_model_len": 1024},
+                   adapters=[{"name": "quota-a", "source": "demo:demo-0"}, {"name": "open-b", "source": "demo:demo-1"}],
+                   max_prompt_chars=MAX_PROMPT_CHARS, max_queued_requests=INGRESS_INFLIGHT)
+    handle = serve.run(build_fleet(args, {"num_replicas": 1, "ray_actor_options": {"num_cpus": 1}},
+                                   {"num_replicas": 2}), name=APP, route_prefix=f"/{APP}")
+    yield {"base": f"{http_base}/{APP}", "handle": handle}
+    serve.delete(APP)
+
+
+def ingress_stats(handle) -> dict[int, dict]:
+    """admission_stats of both ingress replicas (by pid), asking until each has answered."""
+    seen: dict[int, dict] = {}
+
+    def both():
+        for _ in range(8):
+            stats = handle.admission_stats.remote().result(timeout_s=30)
+            seen[stats["pid"]] = stats
+        return seen if len(seen) == 2 else None
+
+    return wait_until(both, 60, "both ingress replicas to answer")
+
+
+def outcome(call) -> str:
+    try:
+        call()
+        return "ok"
+    except Exception as exc:  # the typed error the handle raises (Ray's wrapper is an instance of it)
+        return f"{getattr(exc, 'status', '?')}:{getattr(exc, 'code', type(exc).__name__)}"
+
+
+def test_max_concurrency_is_exact_over_two_ingress_replicas(guarded):
+    base, handle = guarded["base"], guarded["handle"]
+    reply = httpx.put(f"{base}/v1/adapters/quota-a/quota", json={"max_concurrency": 1}, headers=AUTH, timeout=60)
+    assert reply.status_code == 200, reply.text
+    directory = __import__("ray").serve.get_deployment_handle("AdapterDirectory", app_name=APP)
+    version = directory.get_registry.remote(-1, 0.0).result(timeout_s=30)["version"]
+    wait_until(lambda: all(s["registry_version"] >= version for s in ingress_stats(handle).values()), 60,
+               "both ingress replicas to see the quota")
+
+    def long_request(i: int) -> httpx.Response:
+        return httpx.post(f"{base}/v1/completions", timeout=120,
+                          json={"model": "quota-a", "prompt": f"q{i}", "max_tokens": 256, "temperature": 0})
+
+    with ThreadPoolExecutor(8) as pool:
+        replies = list(pool.map(long_request, range(8)))
+    codes = Counter(r.status_code for r in replies)
+    assert codes[200] >= 1 and set(codes) <= {200, 429}, codes
+    stats = ingress_stats(handle)
+    peaks = [s["quota_peak_inflight"].get("quota-a", 0) for s in stats.values()]
+    assert sum(peaks) <= 1, peaks          # each replica's most-at-once, summed: the fleet never held 2
+
+
+def test_handle_calls_get_the_http_limits(guarded):
+    from engine.errors import InvalidRequestError
+    from engine.request import GenerateRequest
+
+    handle = guarded["handle"]
+    too_long = GenerateRequest(adapter="open-b", prompt="x" * (MAX_PROMPT_CHARS + 1), max_tokens=4)
+    with pytest.raises(InvalidRequestError, match="exceeds the limit"):
+        handle.generate.remote(too_long).result(timeout_s=60)
+    stream = handle.options(stream=True).generate_stream.remote(too_long)
+    with pytest.raises(InvalidRequestError, match="exceeds the limit"):
+        list(stream)
+    ok = handle.generate.remote(GenerateRequest(adapter="open-b", prompt="fits", max_tokens=4)).result(timeout_s=60)
+    assert ok.usage["completion_tokens"] >= 1
+
+    def long_call(i: int) -> str:   # 12 at once over 2 replicas x 2 places: the rest are refused at the door
+        request = GenerateRequest(adapter="open-b", prompt=f"h{i}", max_tokens=256)
+        return outcome(lambda: handle.generate.remote(request).result(timeout_s=120))
+
+    with ThreadPoolExecutor(12) as pool:
+        outcomes = Counter(pool.map(long_call, range(12)))
+    assert outcomes["ok"] >= 1 and outcomes["429:overloaded"] >= 1 and set(outcomes) <= {"ok", "429:overloaded"}, \
+        outcomes
+    stream = handle.options(stream=True).generate_stream.remote(GenerateRequest(adapter="open-b", prompt="s",
+                                                                                max_tokens=4))
+    items = list(stream)
+    assert items[-1].usage["completion_tokens"] >= 1
+    assert all(s["inflight"] == 0 for s in ingress_stats(handle).values())   # every place was given back
