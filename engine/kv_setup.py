@@ -12,6 +12,21 @@ from .kv_cache import PagedKVCache, kv_budget_bytes, kv_bytes_per_token
 
 log = logging.getLogger(__name__)
 
+# Tokens one step feeds when ``max_num_batched_tokens`` is unset. CUDA: enough to keep a large GPU's
+# GEMMs busy while bounding the MLP's temporaries (8192 x intermediate 14336 x 2 bytes ~ 235 MB for
+# Llama-3-8B); CPU: a step of 512 tokens on the demo-sized models takes about as long as a few decode
+# steps, so a long prompt's chunks delay short requests by little.
+DEFAULT_TOKEN_BUDGET = {"cuda": 8192, "cpu": 512}
+
+
+def token_budget(config: EngineConfig, device: torch.device) -> int:
+    """Tokens per step: the configured budget, else the device's default; never below ``max_batch_size``
+    (every running request's next token must fit one step)."""
+    if config.max_num_batched_tokens is not None:
+        return config.max_num_batched_tokens  # the scheduler refuses one below max_batch_size
+    default = DEFAULT_TOKEN_BUDGET["cuda" if device.type == "cuda" else "cpu"]
+    return max(default, config.max_batch_size)
+
 
 def build_kv_cache(model, config: EngineConfig, device: torch.device, dtype: torch.dtype,
                    max_model_len: int) -> PagedKVCache:

@@ -13,6 +13,13 @@ oldest first; when none is free the newest running request is preempted (its blo
 freed, its tokens recomputed when it is admitted again, in arrival order). The oldest
 request alone always fits (requests longer than the cache are refused up front), so the
 batch always makes progress: no deadlock.
+
+Token budget (``max_num_batched_tokens``): a step feeds at most that many tokens, so one
+step's activations stay bounded and a long prompt cannot stall the decodes behind it.
+``plan_step`` gives every decoding request its one token first, then splits what is left
+among prefills in arrival order (chunked prefill: a prompt longer than the budget takes
+several steps, its K/V cached chunk by chunk); admission stops once the step's budget is
+spent. Without a budget every running request feeds all its uncomputed tokens.
 """
 
 from __future__ import annotations
@@ -25,6 +32,10 @@ from typing import Callable, Generic, Hashable, Optional, Protocol, TypeVar
 class Schedulable(Protocol):
     uid: Optional[str]
     blocked_steps: int
+    num_computed: int    # leading tokens whose K/V are cached (read only with a token budget)
+
+    @property
+    def num_tokens(self) -> int: ...
 
 
 S = TypeVar("S", bound=Schedulable)
@@ -45,12 +56,20 @@ class BlockSpace(Protocol[S]):
 
 class Scheduler(Generic[S]):
     def __init__(self, validate_batch: Callable[[set], bool], is_pinned: Callable[[Hashable], bool],
-                 max_batch_size: int, max_bypass_steps: int = 16, blocks: Optional[BlockSpace] = None):
-        """``blocks``: the KV cache's block accounting; None schedules by slots and batch size only."""
+                 max_batch_size: int, max_bypass_steps: int = 16, blocks: Optional[BlockSpace] = None,
+                 max_num_batched_tokens: Optional[int] = None):
+        """``blocks``: the KV cache's block accounting; None schedules by slots and batch size only.
+        ``max_num_batched_tokens``: tokens one step may feed (at least ``max_batch_size``, so every decode
+        fits); None: no budget, no chunking."""
+        if max_num_batched_tokens is not None and max_num_batched_tokens < max_batch_size:
+            raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} is below max_batch_size="
+                             f"{max_batch_size}: one step must fit every running request's next token")
         self.validate_batch = validate_batch
         self.is_pinned = is_pinned
         self.max_batch_size = max_batch_size
         self.blocks = blocks
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.prefill_chunks = 0  # prefill inputs cut short by the budget (their prompt continues next step)
         self.max_bypass_steps = max_bypass_steps
         self.waiting: deque[S] = deque()
         self.running: list[S] = []
@@ -84,8 +103,9 @@ class Scheduler(Generic[S]):
         uids = self.running_uids()
         admitted: list[S] = []
         blocked_head: Optional[S] = None
+        budget_left = self._budget_left()
         for seq in list(self.waiting):
-            if len(self.running) + len(admitted) >= self.max_batch_size:
+            if len(self.running) + len(admitted) >= self.max_batch_size or budget_left <= 0:
                 break
             fits = self.validate_batch(uids | {seq.uid})
             if blocked_head is not None and fits:
@@ -103,10 +123,46 @@ class Scheduler(Generic[S]):
             self.waiting.remove(seq)
             admitted.append(seq)
             uids.add(seq.uid)
+            if self.max_num_batched_tokens is not None:
+                budget_left -= self._wanted(seq)
         if blocked_head is not None:
             blocked_head.blocked_steps += 1
         self.running.extend(admitted)
         return admitted
+
+    @staticmethod
+    def _wanted(seq: S) -> int:
+        """Tokens ``seq`` has yet to feed: 1 while decoding, the uncached prompt (and output) while prefilling."""
+        return seq.num_tokens - seq.num_computed
+
+    def _budget_left(self) -> float:
+        """What this step's budget leaves for new requests after the running ones took their tokens."""
+        if self.max_num_batched_tokens is None:
+            return float("inf")
+        return self.max_num_batched_tokens - sum(n for _, n in self.plan_step())
+
+    def plan_step(self) -> list[tuple[S, int]]:
+        """(request, tokens it feeds this step) for the running requests that feed any: decodes first, then
+        prefill chunks in arrival order until the budget is spent (a request left out feeds next step)."""
+        if self.max_num_batched_tokens is None:
+            return [(seq, self._wanted(seq)) for seq in self.running]
+        by_age = sorted(self.running, key=self._order)
+        left = self.max_num_batched_tokens
+        plan: list[tuple[S, int]] = []
+        for seq in by_age:
+            if self._wanted(seq) == 1 and left > 0:
+                plan.append((seq, 1))
+                left -= 1
+        for seq in by_age:
+            wanted = self._wanted(seq)
+            if wanted > 1 and left > 0:
+                plan.append((seq, min(wanted, left)))
+                left -= plan[-1][1]
+        return plan
+
+    def note_plan(self, plan: list[tuple[S, int]]) -> None:
+        """Count the prefills this step cut short (a statistic: chunked prefill at work)."""
+        self.prefill_chunks += sum(1 for seq, n in plan if n < self._wanted(seq))
 
     def _make_room(self) -> list[S]:
         """Blocks for every running request's next input, oldest first, preempting the newest when short."""
