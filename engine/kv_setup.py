@@ -14,9 +14,9 @@ log = logging.getLogger(__name__)
 
 # Tokens one step feeds when ``max_num_batched_tokens`` is unset. CUDA: enough to keep a large GPU's
 # GEMMs busy while bounding the MLP's temporaries (8192 x intermediate 14336 x 2 bytes ~ 235 MB for
-# Llama-3-8B); CPU: a step of 512 tokens on the demo-sized models takes about as long as a few decode
+# Llama-3-8B); CPU: a step of 256 tokens on the benchmark-sized models takes about as long as two decode
 # steps, so a long prompt's chunks delay short requests by little.
-DEFAULT_TOKEN_BUDGET = {"cuda": 8192, "cpu": 512}
+DEFAULT_TOKEN_BUDGET = {"cuda": 8192, "cpu": 256}
 
 
 def token_budget(config: EngineConfig, device: torch.device) -> int:

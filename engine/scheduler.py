@@ -17,9 +17,12 @@ batch always makes progress: no deadlock.
 Token budget (``max_num_batched_tokens``): a step feeds at most that many tokens, so one
 step's activations stay bounded and a long prompt cannot stall the decodes behind it.
 ``plan_step`` gives every decoding request its one token first, then splits what is left
-among prefills in arrival order (chunked prefill: a prompt longer than the budget takes
-several steps, its K/V cached chunk by chunk); admission stops once the step's budget is
-spent. Without a budget every running request feeds all its uncomputed tokens.
+among prefills, fewest remaining tokens first (chunked prefill: a prompt longer than the
+budget takes several steps, its K/V cached chunk by chunk), so a short prompt arriving
+behind a 4k-token one starts at the next step instead of after it. A prefill left out for
+``max_bypass_steps`` steps in a row goes first: shorter prompts cannot starve a long one.
+Admission stops at the first waiting request that would get no token this step. Without
+a budget every running request feeds all its uncomputed tokens.
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ class Scheduler(Generic[S]):
         self.blocks = blocks
         self.max_num_batched_tokens = max_num_batched_tokens
         self.prefill_chunks = 0  # prefill inputs cut short by the budget (their prompt continues next step)
+        self._starved: dict[int, int] = {}  # id(seq) -> steps in a row a running prefill fed no token
         self.max_bypass_steps = max_bypass_steps
         self.waiting: deque[S] = deque()
         self.running: list[S] = []
@@ -103,10 +107,11 @@ class Scheduler(Generic[S]):
         uids = self.running_uids()
         admitted: list[S] = []
         blocked_head: Optional[S] = None
-        budget_left = self._budget_left()
         for seq in list(self.waiting):
-            if len(self.running) + len(admitted) >= self.max_batch_size or budget_left <= 0:
+            if len(self.running) + len(admitted) >= self.max_batch_size:
                 break
+            if not self._gets_tokens(seq, admitted):
+                break  # FIFO: it would get no token this step, and nobody overtakes it
             fits = self.validate_batch(uids | {seq.uid})
             if blocked_head is not None and fits:
                 adds_nothing = seq.uid in uids and blocked_head.blocked_steps < self.max_bypass_steps
@@ -123,8 +128,6 @@ class Scheduler(Generic[S]):
             self.waiting.remove(seq)
             admitted.append(seq)
             uids.add(seq.uid)
-            if self.max_num_batched_tokens is not None:
-                budget_left -= self._wanted(seq)
         if blocked_head is not None:
             blocked_head.blocked_steps += 1
         self.running.extend(admitted)
@@ -135,15 +138,22 @@ class Scheduler(Generic[S]):
         """Tokens ``seq`` has yet to feed: 1 while decoding, the uncached prompt (and output) while prefilling."""
         return seq.num_tokens - seq.num_computed
 
-    def _budget_left(self) -> float:
-        """What this step's budget leaves for new requests after the running ones took their tokens."""
+    def _gets_tokens(self, seq: S, admitted: list[S]) -> bool:
+        """Whether ``seq``, admitted now, would feed a token this step: the budget left after every decode and
+        every prefill ranked before it (fewer tokens to go; its prefix blocks are not looked up yet)."""
         if self.max_num_batched_tokens is None:
-            return float("inf")
-        return self.max_num_batched_tokens - sum(n for _, n in self.plan_step())
+            return True
+        wanted = self._wanted(seq)
+        ahead = 0
+        for other in (*self.running, *admitted):
+            w = self._wanted(other)
+            ahead += 1 if w == 1 else (w if w <= wanted else 0)
+        return ahead < self.max_num_batched_tokens
 
     def plan_step(self) -> list[tuple[S, int]]:
         """(request, tokens it feeds this step) for the running requests that feed any: decodes first, then
-        prefill chunks in arrival order until the budget is spent (a request left out feeds next step)."""
+        prefill chunks, fewest remaining tokens first (a prefill starved ``max_bypass_steps`` steps first of all),
+        until the budget is spent; a request left out feeds next step."""
         if self.max_num_batched_tokens is None:
             return [(seq, self._wanted(seq)) for seq in self.running]
         by_age = sorted(self.running, key=self._order)
@@ -153,15 +163,23 @@ class Scheduler(Generic[S]):
             if self._wanted(seq) == 1 and left > 0:
                 plan.append((seq, 1))
                 left -= 1
-        for seq in by_age:
-            wanted = self._wanted(seq)
-            if wanted > 1 and left > 0:
-                plan.append((seq, min(wanted, left)))
-                left -= plan[-1][1]
+        prefills = [seq for seq in by_age if self._wanted(seq) > 1]
+        prefills.sort(key=lambda seq: (self._starved.get(id(seq), 0) < self.max_bypass_steps, self._wanted(seq)))
+        for seq in prefills:
+            if left <= 0:
+                break
+            plan.append((seq, min(self._wanted(seq), left)))
+            left -= plan[-1][1]
         return plan
 
     def note_plan(self, plan: list[tuple[S, int]]) -> None:
-        """Count the prefills this step cut short (a statistic: chunked prefill at work)."""
+        """Record the step the engine runs: prefills left out count a starved step; chunks cut short are counted."""
+        fed = {id(seq) for seq, _ in plan}
+        for seq in self.running:
+            if id(seq) in fed or self._wanted(seq) == 1:
+                self._starved.pop(id(seq), None)
+            else:
+                self._starved[id(seq)] = self._starved.get(id(seq), 0) + 1
         self.prefill_chunks += sum(1 for seq, n in plan if n < self._wanted(seq))
 
     def _make_room(self) -> list[S]:
@@ -203,6 +221,7 @@ class Scheduler(Generic[S]):
         if self.blocks is not None:
             self.blocks.release(seq)
         del self._arrival[id(seq)]
+        self._starved.pop(id(seq), None)
 
     def drop_waiting(self, predicate: Callable[[S], bool]) -> list[S]:
         dropped = [s for s in self.waiting if predicate(s)]

@@ -49,24 +49,37 @@ def step(sched, blocks):
     return plan
 
 
-def test_decodes_go_first_and_prefills_share_what_is_left_in_arrival_order():
+def test_decodes_go_first_then_the_shortest_prefills_with_what_is_left():
     sched, blocks = make(budget=8)
     old = seq(3, max_tokens=10)
     sched.add(old)
-    assert step(sched, blocks) == [(old, 3)]           # alone: its whole prompt
-    long_a, long_b = seq(20), seq(5)
-    sched.add(long_a)
-    sched.add(long_b)
-    plan = step(sched, blocks)
-    assert plan == [(old, 1), (long_a, 7)]             # the decode first, then the oldest prefill's chunk
-    assert long_b in sched.waiting                     # the budget was spent: nobody else joins this step
-    plan = step(sched, blocks)
-    assert plan == [(old, 1), (long_a, 7)] and long_b in sched.waiting
-    plan = step(sched, blocks)                         # long_a's last 6 prompt tokens, then long_b's start
-    assert plan == [(old, 1), (long_a, 6), (long_b, 1)]
-    assert long_a.output_ids == [7] and not long_b.output_ids
-    assert step(sched, blocks) == [(old, 1), (long_a, 1), (long_b, 4)]
-    assert sched.prefill_chunks == 3
+    assert step(sched, blocks) == [(old, 3)]            # alone: its whole prompt
+    long, short, later = seq(20, max_tokens=10), seq(5, max_tokens=10), seq(30)
+    for s in (long, short, later):
+        sched.add(s)
+    # the decode first, then the 5-token prompt before the 20-token one; the 30-token one would get nothing
+    assert step(sched, blocks) == [(old, 1), (short, 5), (long, 2)]
+    assert list(sched.waiting) == [later]
+    assert step(sched, blocks) == [(old, 1), (short, 1), (long, 6)]
+    assert step(sched, blocks) == [(old, 1), (short, 1), (long, 6)]
+    assert step(sched, blocks) == [(old, 1), (short, 1), (long, 6)] and long.output_ids == [7]
+    assert list(sched.waiting) == [later]           # the decodes and long's last 6 took all 8
+    assert step(sched, blocks) == [(old, 1), (long, 1), (short, 1), (later, 5)]   # decodes by age
+    assert sched.prefill_chunks == 4
+
+
+def test_a_long_prefill_is_not_starved_by_a_stream_of_short_ones():
+    sched, blocks = make(budget=8, num_blocks=512, max_batch=8)
+    sched.max_bypass_steps = 3
+    long = seq(40, max_tokens=1)
+    sched.add(long)
+    step(sched, blocks)
+    fed_long = []
+    for _ in range(12):
+        sched.add(seq(8, max_tokens=1))                 # each alone fills the budget, every step
+        fed_long.append(any(s is long for s, _ in step(sched, blocks)))
+    assert fed_long[:3] == [False] * 3 and fed_long[3]  # left out 3 steps in a row, then it goes first
+    assert long.num_computed > 8
 
 
 def test_without_a_budget_every_running_request_feeds_all_its_tokens():

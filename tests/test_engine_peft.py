@@ -12,6 +12,7 @@ from engine.demo import ensure_demo_assets
 from engine.engine import LoRAEngine
 from engine.model_runner import SeqInput
 from engine.request import GenerateRequest
+from triton_interpret import interpreted_lora_kernels
 
 import peft
 from transformers import AutoModelForCausalLM  # noqa: E402
@@ -174,23 +175,28 @@ def test_mistral_sliding_window_matches_transformers(tmp_path):
         engine.shutdown()
 
 
-def test_the_gathered_lora_form_matches_peft_too(setup):
-    """The form CUDA uses for decode-shaped steps, forced on here: same logits, same tokens."""
+def test_the_segmented_lora_kernels_match_peft_too(setup):
+    """The Triton kernels CUDA uses for multi-adapter steps, forced on here (interpreted on the CPU): same logits,
+    same tokens."""
     assets, peft_model, engine = setup
     names = list(assets.adapters)
-    engine.runner.gather_device = engine.device
-    try:
-        batch = [(names[0], PROMPTS[0][:3]), (None, PROMPTS[1][:3]), (names[1], PROMPTS[2][:3]), (names[2], [1, 9])]
-        for (name, ids), ours in zip(batch, our_logits(engine, batch)):
-            assert (ours - peft_logits(peft_model, name, ids)).abs().max().item() <= 1e-4, name
+    kernel_device = engine.runner.kernel_device
+    with interpreted_lora_kernels():
+        engine.runner.kernel_device = engine.device
+        try:
+            batch = [(names[0], PROMPTS[0][:3]), (None, PROMPTS[1][:3]), (names[1], PROMPTS[2][:3]),
+                     (names[2], [1, 9])]
+            for (name, ids), ours in zip(batch, our_logits(engine, batch)):
+                assert (ours - peft_logits(peft_model, name, ids)).abs().max().item() <= 1e-4, name
 
-        async def run_all():
-            return await asyncio.gather(*(engine.generate(GenerateRequest(adapter=n, token_ids=PROMPTS[0], max_tokens=6))
-                                          for n in [None, *names[:3]]))
+            async def run_all():
+                return await asyncio.gather(*(
+                    engine.generate(GenerateRequest(adapter=n, token_ids=PROMPTS[0], max_tokens=6))
+                    for n in [None, *names[:3]]))
 
-        results = asyncio.run(run_all())
-        for name, result in zip([None, *names[:3]], results):
-            solo = our_logits(engine, [(name, PROMPTS[0] + result.token_ids[:-1])])[0]
-            assert solo[len(PROMPTS[0]) - 1:].argmax(-1).tolist() == result.token_ids
-    finally:
-        engine.runner.gather_device = None
+            results = asyncio.run(run_all())
+            for name, result in zip([None, *names[:3]], results):
+                solo = our_logits(engine, [(name, PROMPTS[0] + result.token_ids[:-1])])[0]
+                assert solo[len(PROMPTS[0]) - 1:].argmax(-1).tolist() == result.token_ids
+        finally:
+            engine.runner.kernel_device = kernel_device
