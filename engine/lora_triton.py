@@ -52,66 +52,57 @@ class SegmentPlan:
 
 
 @triton.jit
+def _segment_tile(starts_ptr, lengths_ptr, slots_ptr, ranks_ptr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
+    """This program's token rows of its segment (absolute, with their mask), rank columns (with mask) and slot."""
+    seg = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < tl.load(lengths_ptr + seg)
+    r = tl.arange(0, BLOCK_R)
+    r_ok = r < tl.load(ranks_ptr + seg)
+    tokens = (tl.load(starts_ptr + seg) + rows).to(tl.int64)
+    return tokens, row_ok, r, r_ok, tl.load(slots_ptr + seg).to(tl.int64)
+
+
+@triton.jit
 def _shrink_kernel(x_ptr, a_ptr, y_ptr, starts_ptr, lengths_ptr, slots_ptr, ranks_ptr,
                    in_features, stride_xt, stride_as, stride_ar, stride_yt,
                    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
-    seg = tl.program_id(0)
-    tile = tl.program_id(1)
-    length = tl.load(lengths_ptr + seg)
-    if tile * BLOCK_M >= length:
-        return
-    start = tl.load(starts_ptr + seg)
-    slot = tl.load(slots_ptr + seg).to(tl.int64)
-    rank = tl.load(ranks_ptr + seg)
-    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < length
-    r = tl.arange(0, BLOCK_R)
-    r_ok = r < rank
-    acc = tl.full((BLOCK_M, BLOCK_R), 0.0, dtype=tl.float32)  # a builtin (tl.zeros is @jit: not interpretable
-    # once triton was imported without TRITON_INTERPRET, as torch and transformers do)
+    if tl.program_id(1) * BLOCK_M >= tl.load(lengths_ptr + tl.program_id(0)):
+        return  # a tile past this segment's end (the grid covers the longest segment)
+    tokens, row_ok, r, r_ok, slot = _segment_tile(starts_ptr, lengths_ptr, slots_ptr, ranks_ptr, BLOCK_M, BLOCK_R)
+    # a builtin (tl.zeros is @jit: not interpretable once triton was imported without TRITON_INTERPRET)
+    acc = tl.full((BLOCK_M, BLOCK_R), 0.0, dtype=tl.float32)
     for k0 in range(0, in_features, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < in_features
-        x = tl.load(x_ptr + (start + rows)[:, None].to(tl.int64) * stride_xt + k[None, :],
-                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(x_ptr + tokens[:, None] * stride_xt + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         a = tl.load(a_ptr + slot * stride_as + r[None, :] * stride_ar + k[:, None],
                     mask=r_ok[None, :] & k_ok[:, None], other=0.0)          # [BLOCK_K, BLOCK_R]: A[slot].T
         if IEEE:
             acc = tl.dot(x, a, acc, input_precision="ieee")
         else:
             acc = tl.dot(x, a, acc)
-    tl.store(y_ptr + (start + rows)[:, None].to(tl.int64) * stride_yt + r[None, :],
-             acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(y_ptr + tokens[:, None] * stride_yt + r[None, :], acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit
 def _expand_kernel(y_ptr, bt_ptr, out_ptr, starts_ptr, lengths_ptr, slots_ptr, ranks_ptr, scales_ptr,
                    out_features, stride_yt, stride_bs, stride_br, stride_ot,
                    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
-    seg = tl.program_id(0)
-    tile = tl.program_id(1)
-    length = tl.load(lengths_ptr + seg)
-    if tile * BLOCK_M >= length:
+    if tl.program_id(1) * BLOCK_M >= tl.load(lengths_ptr + tl.program_id(0)):
         return
-    start = tl.load(starts_ptr + seg)
-    slot = tl.load(slots_ptr + seg).to(tl.int64)
-    rank = tl.load(ranks_ptr + seg)
-    scale = tl.load(scales_ptr + seg)
-    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < length
-    r = tl.arange(0, BLOCK_R)
-    r_ok = r < rank
+    tokens, row_ok, r, r_ok, slot = _segment_tile(starts_ptr, lengths_ptr, slots_ptr, ranks_ptr, BLOCK_M, BLOCK_R)
+    scale = tl.load(scales_ptr + tl.program_id(0))
     n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < out_features
-    y = tl.load(y_ptr + (start + rows)[:, None].to(tl.int64) * stride_yt + r[None, :],
-                mask=row_ok[:, None] & r_ok[None, :], other=0.0)
+    y = tl.load(y_ptr + tokens[:, None] * stride_yt + r[None, :], mask=row_ok[:, None] & r_ok[None, :], other=0.0)
     bt = tl.load(bt_ptr + slot * stride_bs + r[:, None] * stride_br + n[None, :],
                  mask=r_ok[:, None] & n_ok[None, :], other=0.0)
     if IEEE:
         delta = tl.dot(y, bt, input_precision="ieee")
     else:
         delta = tl.dot(y, bt)
-    out_ptrs = out_ptr + (start + rows)[:, None].to(tl.int64) * stride_ot + n[None, :]
+    out_ptrs = out_ptr + tokens[:, None] * stride_ot + n[None, :]
     mask = row_ok[:, None] & n_ok[None, :]
     base = tl.load(out_ptrs, mask=mask, other=0.0)
     tl.store(out_ptrs, (base.to(tl.float32) + scale * delta).to(out_ptr.dtype.element_ty), mask=mask)
