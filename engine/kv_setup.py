@@ -38,7 +38,7 @@ def build_kv_cache(model, config: EngineConfig, device: torch.device, dtype: tor
                              bytes_per_token=kv_bytes_per_token(layers, kv_heads, head_dim, dtype),
                              max_batch_size=config.max_batch_size, max_model_len=max_model_len,
                              memory_fraction=config.kv_cache_memory_fraction)
-    backend = choose_backend(device, dtype)
+    backend = choose_backend(device, dtype, head_dim=head_dim)
     return PagedKVCache.from_budget(budget, layers, config.kv_block_size, kv_heads, head_dim, device=device,
                                     dtype=dtype, prefix_caching=config.enable_prefix_caching,
                                     layout=KV_LAYOUT[backend])
