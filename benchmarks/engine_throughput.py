@@ -111,9 +111,12 @@ def build_model(shape: dict, seed: int, vocab: int, device: torch.device, dtype:
     return model.eval()
 
 
-def make_engine(model, tokenizer, folders: Sequence[Path], *, dtype: str, kv_bytes: int, block_size: int,
-                max_tokens: int, max_model_len: Optional[int] = None) -> tuple[LoRAEngine, list[str]]:
-    config = AppArgs(dtype=dtype, max_loras_per_batch=NUM_ADAPTERS + 1, max_lora_rank=16, max_batch_size=MAX_RUNNING,
+def make_engine(model, tokenizer, folders: Sequence[Path], *, dtype: str, kv_bytes: Optional[int], block_size: int,
+                max_tokens: int, max_model_len: Optional[int] = None,
+                max_batch_size: Optional[int] = None) -> tuple[LoRAEngine, list[str]]:
+    """``kv_bytes`` None: the engine's own sizing (on CUDA, a share of the free memory)."""
+    config = AppArgs(dtype=dtype, max_loras_per_batch=NUM_ADAPTERS + 1, max_lora_rank=16,
+                     max_batch_size=max_batch_size or MAX_RUNNING,
                      max_tokens_limit=max_tokens, kv_cache_bytes=kv_bytes, kv_block_size=block_size,
                      enable_prefix_caching=False, max_model_len=max_model_len).engine_config("bench")
     engine = LoRAEngine(config, model=model, tokenizer=tokenizer)
