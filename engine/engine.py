@@ -22,6 +22,7 @@ from pool.shapes import LoRAModelShape
 from pool.store import AdapterRecord, AdapterStore
 
 from . import callers
+from .activation_profile import activation_reserve_bytes
 from .adapter_manager import AdapterManager
 from .adapter_staging import AdapterStaging
 from .adapter_registry import AdapterRegistry
@@ -71,7 +72,9 @@ class LoRAEngine(EngineReadAPI):
         self.context = LoRABatchContext()
         attach_lora(model, self.pool, self.context)
         self.max_num_batched_tokens = token_budget(config, self.device)
-        self.cache = build_kv_cache(model, config, self.device, self.dtype, max_model_len)
+        reserve = 0 if config.kv_cache_bytes is not None else activation_reserve_bytes(
+            model, self.pool, self.context, config, self.device, self.dtype, self.max_num_batched_tokens)
+        self.cache = build_kv_cache(model, config, self.device, self.dtype, max_model_len, reserve_bytes=reserve)
         self.max_model_len = fit_max_model_len(self.cache, max_model_len, configured=config.max_model_len is not None)
         self.runner = ModelRunner(model, self.pool, self.cache, self.context)
         self.blocks = BlockManager(self.cache)

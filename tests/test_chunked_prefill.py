@@ -132,3 +132,27 @@ def test_random_arrivals_finish_within_the_budget_and_no_decode_waits(seed):
     assert not len(sched) and all(len(s.output_ids) == s.request.max_tokens for s in seqs)
     # each prompt was fed once (no preemption here), then one token per output but the last
     assert all(fed[id(s)] == len(s.prompt_ids) + s.request.max_tokens - 1 for s in seqs)
+
+
+def test_the_profiling_forward_runs_a_full_budget_step_and_the_reserve_leaves_the_kv_budget(demo_assets):
+    """The start-up profile feeds ``max_num_batched_tokens`` tokens in one forward (measured on CUDA only); a reserve
+    larger than the free memory is a clear error, never a negative budget."""
+    from engine.activation_profile import activation_reserve_bytes, profile_forward
+    from engine.engine import LoRAEngine
+    from engine.kv_cache import kv_budget_bytes
+
+    engine = LoRAEngine(AppArgs(base_model=str(demo_assets.model_dir), max_num_batched_tokens=96).engine_config())
+    try:
+        with engine._step_lock:
+            logits = profile_forward(engine.model, engine.pool, engine.context, engine.config, engine.device,
+                                     engine.dtype, engine.max_num_batched_tokens)
+        assert logits.shape == (1, engine.model.config.vocab_size) and torch.isfinite(logits).all()
+        reserve = activation_reserve_bytes(engine.model, engine.pool, engine.context, engine.config, engine.device,
+                                           engine.dtype, 96)
+        assert (reserve > 0) == (engine.device.type == "cuda")
+        if engine.device.type == "cuda":
+            with pytest.raises(ValueError, match="lower max_num_batched_tokens"):
+                kv_budget_bytes(None, device=engine.device, bytes_per_token=1, max_batch_size=1, max_model_len=1,
+                                memory_fraction=0.5, reserve_bytes=1 << 50)
+    finally:
+        engine.shutdown()
