@@ -33,12 +33,21 @@ Columns: output tok/s (first arrival to last token), TTFT and TPOT p50/p99 (ms),
 bytes (ours: blocks in use at the peak; transformers: its allocated cache; PEFT: its
 DynamicCache at the end of its largest batch), max concurrent sequences.
 
+Long prompts (``throughput.long_prompts``): the same number of short requests (the lengths above)
+arrive as a Poisson stream at ``LATENCY_LOAD`` (25%) of the all-at-once request rate, alone, then
+again with 2 (``--quick``) or 4 prompts of 4096 tokens (4 output tokens each, on adapters) spread
+over the same window; the engine's context window is raised to 4100 tokens for them (the random
+Llama's rotary positions extend; its ``max_position_embeddings`` stays 2048). The engine runs with
+its default token budget (``max_num_batched_tokens`` None: 256 on the CPU), so a long prompt is
+prefilled in chunks sharing steps with the decodes. Rows: the short requests' TTFT/TPOT p50/p99.
+
 Decode step: ``throughput.roofline`` (batch 32, 8 adapters, 64 cached tokens) against the
 step's own GEMMs alone and the weights' bytes over copy bandwidth.
 
 Goals: engine_vs_transformers_cb >= 3.5 (ours mixed vs transformers base, tok/s);
 engine_vs_peft_mixed >= 5.0; kv_concurrency_gain >= 3.0 (max concurrent, paged vs
-contiguous rows, same KV bytes); decode_vs_roofline <= 1.3 (step over its GEMMs).
+contiguous rows, same KV bytes); decode_vs_roofline <= 1.3 (step over its GEMMs);
+short_ttft_p99_under_long_prompts <= 2.0 (short requests' TTFT p99 with the long prompts over without).
 
 On a GPU, ``--model llama3-8b`` runs the same rows on Llama-3-8B's shapes (32 layers, hidden
 4096, 32/8 heads, vocab 128256; random bf16 weights, four copies: about 64 GB).
