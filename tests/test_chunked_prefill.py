@@ -150,6 +150,7 @@ def test_the_profiling_forward_runs_a_full_budget_step_and_the_reserve_leaves_th
         reserve = activation_reserve_bytes(engine.model, engine.pool, engine.context, engine.config, engine.device,
                                            engine.dtype, 96)
         assert (reserve > 0) == (engine.device.type == "cuda")
+        assert engine.stats()["max_num_batched_tokens"] == 96
         if engine.device.type == "cuda":
             with pytest.raises(ValueError, match="lower max_num_batched_tokens"):
                 kv_budget_bytes(None, device=engine.device, bytes_per_token=1, max_batch_size=1, max_model_len=1,
