@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from engine.lora_layers import LoRABatchContext, LoRALinear, LoRASegment
-from triton_interpret import interpreted_lora_kernels
+from triton_interpret import DEVICE, interpreted_lora_kernels
 
 
 @st.composite
@@ -40,10 +40,9 @@ def loop_reference(x, a, bt, segments, out):
 def test_segmented_kernels_equal_the_torch_loop(batch):
     slots, max_rank, d_in, d_out, segments, tokens, seed = batch
     g = torch.Generator().manual_seed(seed)
-    a = torch.randn(slots, max_rank, d_in, generator=g)
-    bt = torch.randn(slots, max_rank, d_out, generator=g)
-    x = torch.randn(tokens, d_in, generator=g)
-    out = torch.randn(tokens, d_out, generator=g)
+    a, bt = torch.randn(slots, max_rank, d_in, generator=g), torch.randn(slots, max_rank, d_out, generator=g)
+    x, out = torch.randn(tokens, d_in, generator=g), torch.randn(tokens, d_out, generator=g)
+    a, bt, x, out = (t.to(DEVICE) for t in (a, bt, x, out))
     expected = loop_reference(x, a, bt, segments, out.clone())
     live = [s for s in segments if s.end > s.start]
     with interpreted_lora_kernels() as kernels:
@@ -57,11 +56,12 @@ def test_lora_linear_takes_the_kernels_for_several_adapters_and_matches_the_loop
     a, bt = torch.randn(4, 8, 24, generator=g), torch.randn(4, 8, 20, generator=g)
     base = nn.Linear(24, 20)
     x = torch.randn(30, 24, generator=g)
+    a, bt, x, base = a.to(DEVICE), bt.to(DEVICE), x.to(DEVICE), base.to(DEVICE)
     segments = [LoRASegment(1, 0, 9, 8, 0.5), LoRASegment(3, 9, 25, 3, 2.0)]
     loop_ctx, kernel_ctx = LoRABatchContext(), LoRABatchContext()
     loop_ctx.set_segments(segments)
     with torch.no_grad(), interpreted_lora_kernels():
-        kernel_ctx.set_segments(segments, torch.device("cpu"))
+        kernel_ctx.set_segments(segments, DEVICE)
         assert loop_ctx.plan is None and kernel_ctx.plan is not None
         assert kernel_ctx.plan.ranks.tolist() == [8, 3] and kernel_ctx.plan.scales.tolist() == [0.5, 2.0]
         got = LoRALinear(base, a, bt, kernel_ctx)(x)
@@ -71,7 +71,7 @@ def test_lora_linear_takes_the_kernels_for_several_adapters_and_matches_the_loop
 
 def test_the_kernels_refuse_a_non_contiguous_feature_axis():
     with interpreted_lora_kernels() as kernels:
-        plan = kernels.SegmentPlan.build([LoRASegment(1, 0, 2, 2, 1.0)], torch.device("cpu"))
-        a = torch.randn(2, 8, 4).transpose(1, 2)  # features no longer contiguous
+        plan = kernels.SegmentPlan.build([LoRASegment(1, 0, 2, 2, 1.0)], DEVICE)
+        a = torch.randn(2, 8, 4, device=DEVICE).transpose(1, 2)  # features no longer contiguous
         with pytest.raises(ValueError, match="contiguous"):
-            kernels.lora_shrink(torch.randn(2, 8), a, plan)
+            kernels.lora_shrink(torch.randn(2, 8, device=DEVICE), a, plan)
