@@ -63,6 +63,9 @@ class AppArgs(BaseModel):
     host_cache_bytes: int = Field(default=1 << 30, ge=0)
     adapters: Optional[list[AdapterSpec]] = None  # None with base_model demo: the demo adapters
     max_batch_size: int = Field(default=8, ge=1)
+    # tokens one engine step feeds; longer prompts are prefilled in chunks sharing steps with decodes.
+    # None: 8192 on CUDA, 256 on the CPU (engine.kv_setup.DEFAULT_TOKEN_BUDGET), at least max_batch_size
+    max_num_batched_tokens: Optional[int] = Field(default=None, ge=1)
     max_model_len: Optional[int] = Field(default=None, ge=16)
     kv_cache_bytes: Optional[int] = Field(default=None, ge=1)  # per replica; None: 80% of free GPU memory, CPU: rows
     kv_cache_memory_fraction: float = Field(default=0.8, gt=0, le=1)  # CUDA, kv_cache_bytes None

@@ -88,22 +88,40 @@ BACKENDS = ("auto", "torch", "flashinfer")
 KV_LAYOUT = {"torch": "head_major", "flashinfer": "page_major"}
 
 
-def choose_backend(device: torch.device, dtype: torch.dtype, requested: str = "auto") -> str:
-    """FlashInfer on CUDA in fp16/bf16 when installed (for ``auto``), else torch; decides the cache layout."""
+FLASHINFER_HEAD_DIMS = (64, 128, 256)  # the head sizes FlashInfer's prebuilt paged kernels take (it refuses < 64)
+_logged: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+    """A backend fallback is logged once per process, not once per engine or step."""
+    if message not in _logged:
+        _logged.add(message)
+        log.warning(message)
+
+
+def choose_backend(device: torch.device, dtype: torch.dtype, requested: str = "auto",
+                   head_dim: Optional[int] = None) -> str:
+    """FlashInfer on CUDA in fp16/bf16 with a head size it supports, when installed (for ``auto``), else torch
+    (the fallback logged once); decides the cache layout. ``head_dim`` None: not checked."""
     if requested not in BACKENDS:
         raise ValueError(f"unknown attention backend {requested!r}; choose one of {BACKENDS}")
-    usable = device.type == "cuda" and dtype in FLASHINFER_DTYPES
+    head_ok = head_dim is None or head_dim in FLASHINFER_HEAD_DIMS
+    usable = device.type == "cuda" and dtype in FLASHINFER_DTYPES and head_ok
     if requested == "torch" or (requested == "auto" and not usable):
+        if requested == "auto" and device.type == "cuda":
+            _log_once(f"attention runs on torch: FlashInfer takes {FLASHINFER_DTYPES} and head sizes "
+                      f"{FLASHINFER_HEAD_DIMS}, this model is {dtype} with head size {head_dim}")
         return "torch"
     try:
         import flashinfer  # noqa: F401
     except ImportError:
         if requested == "flashinfer":
             raise
-        log.info("flashinfer is not installed: attention runs on torch")
+        _log_once("flashinfer is not installed: attention runs on torch")
         return "torch"
     if not usable:
-        raise ValueError("the flashinfer backend needs CUDA and float16 or bfloat16")
+        raise ValueError(f"the flashinfer backend needs CUDA, float16 or bfloat16 and a head size in "
+                         f"{FLASHINFER_HEAD_DIMS} (got {device.type}, {dtype}, head size {head_dim})")
     return "flashinfer"
 
 

@@ -45,11 +45,17 @@ class StepLayout:
             (decode_seqs if n == 1 else self.prefill_seqs).append(i)
             offset += n
         self.num_tokens = offset
-        self.write_blocks = torch.tensor(blocks, dtype=torch.long, device=device)
-        self.write_offsets = torch.tensor(offsets, dtype=torch.long, device=device)
-        self.positions = torch.tensor(positions, dtype=torch.long, device=device)
         self.decode_seqs = decode_seqs
-        self._decode: Optional[_DecodeGather] = _DecodeGather(self, decode_seqs) if decode_seqs else None
+        decode_rows = _DecodeGather.host_rows(self, decode_seqs) if decode_seqs else []
+        # one host buffer, one host-to-device copy for every index the step needs (not one per tensor)
+        pieces = [blocks, offsets, positions, *decode_rows]
+        staged = _stage([v for piece in pieces for v in piece], device)
+        views, at = [], 0
+        for piece in pieces:
+            views.append(staged[at:at + len(piece)])
+            at += len(piece)
+        self.write_blocks, self.write_offsets, self.positions = views[:3]
+        self._decode: Optional[_DecodeGather] = _DecodeGather(self, decode_seqs, views[3:]) if decode_seqs else None
         self._prefill_gathers: dict[int, torch.Tensor] = {}
 
     @property
@@ -69,19 +75,32 @@ class StepLayout:
         return self._prefill_gathers[i]
 
 
+def _stage(values: list[int], device: torch.device) -> torch.Tensor:
+    """``values`` as int64 on ``device`` in one copy (from pinned memory on CUDA, so it does not stall the host)."""
+    host = torch.tensor(values, dtype=torch.long)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
 class _DecodeGather:
     """Decode rows (one new token each): padded block ids and an additive key mask per window size."""
 
-    def __init__(self, layout: StepLayout, seqs: list[int]):
+    @staticmethod
+    def host_rows(layout: StepLayout, seqs: list[int]) -> list[list[int]]:
+        """The padded block ids (flattened), token rows and lengths, as host lists for the step's one copy."""
         bs = layout.block_size
-        device = layout.device
         lens = [layout.kv_lens[i] for i in seqs]
         nb = -(-max(lens) // bs)
         padded = [list(layout.tables[i][: -(-n // bs)]) for i, n in zip(seqs, lens)]
-        self.blocks = torch.tensor([t + [t[0]] * (nb - len(t)) for t in padded], dtype=torch.long, device=device)
-        self.tokens = torch.tensor([layout.token_offsets[i] for i in seqs], dtype=torch.long, device=device)
-        self.lengths = torch.tensor(lens, dtype=torch.long, device=device)
-        self.span = nb * bs
+        blocks = [b for t in padded for b in t + [t[0]] * (nb - len(t))]
+        return [blocks, [layout.token_offsets[i] for i in seqs], lens]
+
+    def __init__(self, layout: StepLayout, seqs: list[int], staged: list[torch.Tensor]):
+        """``staged``: ``host_rows``' lists on the device."""
+        blocks, self.tokens, self.lengths = staged
+        self.blocks = blocks.view(len(seqs), -1)
+        self.span = self.blocks.shape[1] * layout.block_size
         self._masks: dict[Optional[int], torch.Tensor] = {}
         self._biases: dict[tuple, torch.Tensor] = {}
 

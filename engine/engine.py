@@ -14,12 +14,15 @@ import logging
 import threading
 from typing import AsyncIterator, Callable, Optional
 
+import torch
+
 from pool.errors import AdapterNotStagedError, LoRAFleetError, PoolError
 from pool.memory_pool import LoRAMemoryPool
 from pool.shapes import LoRAModelShape
 from pool.store import AdapterRecord, AdapterStore
 
 from . import callers
+from .activation_profile import activation_reserve_bytes
 from .adapter_manager import AdapterManager
 from .adapter_staging import AdapterStaging
 from .adapter_registry import AdapterRegistry
@@ -28,7 +31,7 @@ from .detokenizer import IncrementalDetokenizer
 from .errors import EngineOverloadedError, EngineShutdownError, EngineUnhealthyError, RequestCancelledError
 from .input_processor import InputProcessor
 from .block_manager import BlockManager
-from .kv_setup import build_kv_cache, fit_max_model_len
+from .kv_setup import build_kv_cache, fit_max_model_len, token_budget
 from .live_settings import apply_live_settings
 from .lora_layers import LoRABatchContext, attach_lora
 from .model_loader import load_base_model
@@ -71,13 +74,17 @@ class LoRAEngine(EngineReadAPI):
                                    replica_id=config.replica_id)
         self.context = LoRABatchContext()
         attach_lora(model, self.pool, self.context)
-        self.cache = build_kv_cache(model, config, self.device, self.dtype, max_model_len)
+        self.max_num_batched_tokens = token_budget(config, self.device)
+        reserve = 0 if config.kv_cache_bytes is not None else activation_reserve_bytes(
+            model, self.pool, self.context, config, self.device, self.dtype, self.max_num_batched_tokens)
+        self.cache = build_kv_cache(model, config, self.device, self.dtype, max_model_len, reserve_bytes=reserve)
         self.max_model_len = fit_max_model_len(self.cache, max_model_len, configured=config.max_model_len is not None)
         self.runner = ModelRunner(model, self.pool, self.cache, self.context)
         self.blocks = BlockManager(self.cache)
         self.scheduler: Scheduler[Sequence] = Scheduler(
             self.pool.validate_lora_batch, lambda uid: uid in self.pool.pinned,
-            config.max_batch_size, config.max_bypass_steps, blocks=self.blocks)
+            config.max_batch_size, config.max_bypass_steps, blocks=self.blocks,
+            max_num_batched_tokens=self.max_num_batched_tokens)
         self.eos_ids = eos_token_ids(tokenizer, model)
         self.tokens_generated = 0
         self.prompt_tokens_computed = 0  # prompt tokens fed to forwards (an n > 1 prompt counts once)
@@ -265,18 +272,24 @@ class LoRAEngine(EngineReadAPI):
         slots = self._prepare_slots(admitted)
         if slots is None:
             return
-        running = list(self.scheduler.running)
-        inputs = []
-        for seq in running:
-            ids, start = seq.next_input()
-            inputs.append(SeqInput(seq.block_table, ids, start, slots[seq.uid]))
+        plan = self.scheduler.plan_step()
+        self.scheduler.note_plan(plan)
+        inputs = [SeqInput(seq.block_table, seq.token_at(seq.num_computed, seq.num_computed + n), seq.num_computed,
+                           slots[seq.uid]) for seq, n in plan]
         logits = self.runner.forward(inputs)
         self.steps += 1
+        planned = [seq for seq, _ in plan]
         self.prompt_tokens_computed += sum(max(0, min(len(s.prompt_ids), x.start_pos + len(x.token_ids)) - x.start_pos)
-                                           for s, x in zip(running, inputs))
-        self._score_prompts(running, inputs)
-        for seq in running:
-            self.blocks.commit(seq, seq.num_tokens)
+                                           for s, x in zip(planned, inputs))
+        self._score_prompts(planned, inputs)  # echo: every row this forward fed, chunks included
+        # a prefill cut short by the token budget samples nothing yet: its prompt continues next step
+        ends = [seq.num_computed + n == seq.num_tokens for seq, n in plan]
+        for seq, n in plan:
+            self.blocks.commit(seq, seq.num_computed + n)
+        running = [seq for (seq, _), end in zip(plan, ends) if end]
+        if len(running) < len(plan):
+            rows = [i for i, end in enumerate(ends) if end]
+            logits = logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=logits.device))
         running, logits = fork_ready(running, logits, self._fork)
         finished: list[tuple[Sequence, object]] = []
         tokens = next_tokens(logits, running, self.eos_ids, self._grammar)

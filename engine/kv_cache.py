@@ -31,10 +31,10 @@ def kv_bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: tor
 
 
 def kv_budget_bytes(configured: Optional[int], *, device: torch.device, bytes_per_token: int,
-                    max_batch_size: int, max_model_len: int, memory_fraction: float) -> int:
+                    max_batch_size: int, max_model_len: int, memory_fraction: float, reserve_bytes: int = 0) -> int:
     """The KV budget: ``configured`` if set; else on CUDA ``memory_fraction`` of the memory free
-    now (after weights and the LoRA pool); else what the contiguous rows took
-    (``max_batch_size x max_model_len`` tokens)."""
+    now (after weights and the LoRA pool) less ``reserve_bytes`` (a full step's activations, measured);
+    else what the contiguous rows took (``max_batch_size x max_model_len`` tokens)."""
     if configured is not None:
         if int(configured) < bytes_per_token:
             raise ValueError(f"kv_cache_bytes={configured} is less than one token's K/V ({bytes_per_token} bytes)")
@@ -43,7 +43,10 @@ def kv_budget_bytes(configured: Optional[int], *, device: torch.device, bytes_pe
         if not 0 < memory_fraction <= 1:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {memory_fraction}")
         free, _ = torch.cuda.mem_get_info(device)
-        return int(free * memory_fraction)
+        if free <= reserve_bytes:
+            raise ValueError(f"a step of activations needs {reserve_bytes} bytes but only {free} are free: lower "
+                             f"max_num_batched_tokens")
+        return int((free - reserve_bytes) * memory_fraction)
     return max_batch_size * max_model_len * bytes_per_token
 
 

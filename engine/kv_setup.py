@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 import torch
 
@@ -12,19 +13,40 @@ from .kv_cache import PagedKVCache, kv_budget_bytes, kv_bytes_per_token
 
 log = logging.getLogger(__name__)
 
+# Tokens one step feeds when ``max_num_batched_tokens`` is unset. CUDA: enough to keep a large GPU's
+# GEMMs busy while bounding the MLP's temporaries (8192 x intermediate 14336 x 2 bytes ~ 235 MB for
+# Llama-3-8B); CPU: a step of 256 tokens on the benchmark-sized models takes about as long as two decode
+# steps, so a long prompt's chunks delay short requests by little.
+DEFAULT_TOKEN_BUDGET = {"cuda": 8192, "cpu": 256}
 
-def build_kv_cache(model, config: EngineConfig, device: torch.device, dtype: torch.dtype,
-                   max_model_len: int) -> PagedKVCache:
-    """The paged KV cache sized by ``kv_cache_bytes`` (see ``kv_budget_bytes`` for the default)."""
+
+def token_budget(config: EngineConfig, device: torch.device) -> int:
+    """Tokens per step: the configured budget, else the device's default; never below ``max_batch_size``
+    (every running request's next token must fit one step)."""
+    if config.max_num_batched_tokens is not None:
+        return config.max_num_batched_tokens  # the scheduler refuses one below max_batch_size
+    default = DEFAULT_TOKEN_BUDGET["cuda" if device.type == "cuda" else "cpu"]
+    return max(default, config.max_batch_size)
+
+
+def kv_shape(model) -> tuple[int, int, int]:
+    """(layers, kv heads, head size) of a transformers decoder."""
     attn = model.model.layers[0].self_attn
-    layers, head_dim = len(model.model.layers), attn.head_dim
-    kv_heads = attn.k_proj.weight.shape[0] // head_dim
-    budget = kv_budget_bytes(config.kv_cache_bytes, device=device,
-                             bytes_per_token=kv_bytes_per_token(layers, kv_heads, head_dim, dtype),
-                             max_batch_size=config.max_batch_size, max_model_len=max_model_len,
-                             memory_fraction=config.kv_cache_memory_fraction)
-    backend = choose_backend(device, dtype)
-    return PagedKVCache.from_budget(budget, layers, config.kv_block_size, kv_heads, head_dim, device=device,
+    return len(model.model.layers), attn.k_proj.weight.shape[0] // attn.head_dim, attn.head_dim
+
+
+def build_kv_cache(model, config: EngineConfig, device: torch.device, dtype: torch.dtype, max_model_len: int,
+                   reserve_bytes: int = 0, budget_bytes: Optional[int] = None) -> PagedKVCache:
+    """The paged KV cache sized by ``kv_cache_bytes`` (see ``kv_budget_bytes`` for the default), or by
+    ``budget_bytes`` when given; ``reserve_bytes`` (a step's activations) is left out of the free memory."""
+    layers, kv_heads, head_dim = kv_shape(model)
+    if budget_bytes is None:
+        budget_bytes = kv_budget_bytes(config.kv_cache_bytes, device=device,
+                                       bytes_per_token=kv_bytes_per_token(layers, kv_heads, head_dim, dtype),
+                                       max_batch_size=config.max_batch_size, max_model_len=max_model_len,
+                                       memory_fraction=config.kv_cache_memory_fraction, reserve_bytes=reserve_bytes)
+    backend = choose_backend(device, dtype, head_dim=head_dim)
+    return PagedKVCache.from_budget(budget_bytes, layers, config.kv_block_size, kv_heads, head_dim, device=device,
                                     dtype=dtype, prefix_caching=config.enable_prefix_caching,
                                     layout=KV_LAYOUT[backend])
 

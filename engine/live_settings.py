@@ -24,6 +24,10 @@ def apply_live_settings(settings: dict, *, config: EngineConfig, pool: LoRAMemor
     size = settings.get("max_batch_size")
     if size is not None and not 1 <= int(size) <= kv_blocks:
         raise ValueError(f"max_batch_size must be in [1, {kv_blocks}] (the KV cache's blocks), got {size}")
+    budget = scheduler.max_num_batched_tokens
+    if size is not None and budget is not None and int(size) > budget:
+        raise ValueError(f"max_batch_size must be at most max_num_batched_tokens={budget} (one step must fit "
+                         f"every running request's next token), got {size}")
     limit = settings.get("max_tokens_limit")
     if limit is not None and int(limit) < 1:
         raise ValueError(f"max_tokens_limit must be >= 1, got {limit}")

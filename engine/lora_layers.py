@@ -6,21 +6,25 @@ a contiguous slice (Punica/S-LoRA's SGMV idea with the gather done once, by layo
 Work is rank-bounded (a rank-8 adapter in a rank-64 pool multiplies by 8 rows), and a
 batch with no adapter tokens does no LoRA work at all.
 
-On CUDA, decode-shaped steps (few tokens, several adapters) take a gathered form instead:
-each token's A and B rows (up to the batch's largest rank; the pool keeps the rest zero)
-are gathered per layer and applied with two batched matmuls, so the number of kernels does
-not grow with the number of adapters. On the CPU the segment loop measured faster.
+On CUDA, a step with several adapters takes the segmented Triton kernels instead
+(``engine.lora_triton``): one shrink and one expand launch per module for all adapters,
+each adapter's weights read once per tile of its tokens, so the number of kernels does not
+grow with the number of adapters. On the CPU the segment loop is the default (the kernels
+run there only under Triton's interpreter, in the tests).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import nn
 
 from pool.memory_pool import LoRAMemoryPool
+
+if TYPE_CHECKING:
+    from .lora_triton import SegmentPlan
 
 
 @dataclass
@@ -32,39 +36,21 @@ class LoRASegment:
     scaling: float
 
 
-GATHER_MAX_TOKENS = 64  # above this, per-token gathers of A/B cost more than a loop over segments
-
-
-@dataclass
-class GatherPlan:
-    """Per-token slot indices for the gathered (decode-shaped) form."""
-
-    rows: torch.Tensor    # token positions that have an adapter
-    slots: torch.Tensor   # their slots
-    scales: torch.Tensor  # their scaling, [tokens, 1]
-    rank: int             # the batch's largest rank
-
-
 @dataclass
 class LoRABatchContext:
     """The current forward's segments; set by the engine before each forward."""
 
     segments: list[LoRASegment] = field(default_factory=list)
-    gather: Optional[GatherPlan] = None
+    plan: Optional["SegmentPlan"] = None  # the segments on the device, for the Triton kernels
 
     def set_segments(self, segments: list[LoRASegment], device: Optional[torch.device] = None) -> None:
+        """``device``: run the segmented kernels there (several adapters); None: the torch segment loop."""
         self.segments = [s for s in segments if s.rank > 0 and s.end > s.start]
-        self.gather = None
-        tokens = sum(s.end - s.start for s in self.segments)
-        if len(self.segments) > 1 and tokens <= GATHER_MAX_TOKENS and device is not None:
-            rows, slots, scales = [], [], []
-            for s in self.segments:
-                rows.extend(range(s.start, s.end))
-                slots.extend([s.slot] * (s.end - s.start))
-                scales.extend([s.scaling] * (s.end - s.start))
-            self.gather = GatherPlan(
-                rows=torch.tensor(rows, device=device), slots=torch.tensor(slots, device=device),
-                scales=torch.tensor(scales, device=device).unsqueeze(1), rank=max(s.rank for s in self.segments))
+        self.plan = None
+        if len(self.segments) > 1 and device is not None:
+            from .lora_triton import SegmentPlan
+
+            self.plan = SegmentPlan.build(self.segments, device)
 
 
 class LoRALinear(nn.Module):
@@ -92,13 +78,11 @@ class LoRALinear(nn.Module):
             return out
         flat_x = x.reshape(-1, x.shape[-1])
         flat_out = out.view(-1, out.shape[-1])
-        plan = self.context.gather
+        plan = self.context.plan
         if plan is not None:
-            xs = flat_x.index_select(0, plan.rows).unsqueeze(-1)                 # [t, in, 1]
-            a = self.a_buffer[:, : plan.rank].index_select(0, plan.slots)       # [t, r, in]
-            shrink = torch.bmm(a, xs).squeeze(-1) * plan.scales.to(xs.dtype)    # [t, r]
-            bt = self.bt_buffer[:, : plan.rank].index_select(0, plan.slots)     # [t, r, out]
-            flat_out.index_add_(0, plan.rows, torch.bmm(shrink.unsqueeze(1), bt).squeeze(1))
+            from . import lora_triton  # read at call time: the tests reload it under the interpreter
+
+            lora_triton.add_lora(flat_x, self.a_buffer, self.bt_buffer, plan, flat_out)
             return out
         for seg in segments:
             shrink = flat_x[seg.start:seg.end] @ self.a_buffer[seg.slot, : seg.rank].t()

@@ -9,6 +9,7 @@ LoRA layers work on contiguous segments.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Optional
 
@@ -22,6 +23,8 @@ from .attention_layout import StepLayout
 from .kv_cache import PagedKVCache
 from .lora_layers import LoRABatchContext, LoRASegment
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class SeqInput:
@@ -31,6 +34,15 @@ class SeqInput:
     token_ids: list[int]
     start_pos: int
     slot: int
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        log.warning("triton is not installed: LoRA runs as a loop over adapters on CUDA")
+        return False
+    return True
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -60,10 +72,9 @@ class ModelRunner:
         self.windows = [_window_of(layer.self_attn, self.config) for layer in self.decoder.layers]
         self.device = next(model.parameters()).device
         self.attention = make_attention(kv_cache, self.num_heads, self.num_kv_heads, self.head_dim)
-        # The gathered LoRA form pays in memory copies to save kernel launches: measured slower on CPU
-        # (benchmarks.lora_compute: 8 adapters 1.26x base vs 1.05-1.10x with the segment loop), so the
-        # CPU keeps the loop; on CUDA launches dominate small decode steps.
-        self.gather_device = self.device if self.device.type == "cuda" else None
+        # The segmented Triton LoRA kernels (two launches per module whatever the number of adapters) on
+        # CUDA; the CPU keeps the torch segment loop (Triton compiles for GPUs only).
+        self.kernel_device = self.device if self.device.type == "cuda" and triton_available() else None
 
     @torch.inference_mode()
     def forward(self, seqs: list[SeqInput], all_logits: bool = False) -> torch.Tensor:
@@ -74,7 +85,7 @@ class ModelRunner:
                             self.cache.block_size, self.device)
         starts = layout.token_offsets
         input_ids = torch.tensor([t for s in ordered for t in s.token_ids], device=self.device)
-        self.context.set_segments(self._segments(ordered, starts), self.gather_device)
+        self.context.set_segments(self._segments(ordered, starts), self.kernel_device)
         try:
             self.attention.begin_step(layout, self.windows, self.scaling)
             hidden = self._decoder_forward(input_ids, layout)

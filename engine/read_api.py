@@ -75,5 +75,7 @@ class EngineReadAPI:
                 "kv_prefix_hit_blocks": self.cache.allocator.prefix_hits,
                 "max_running": self.scheduler.max_running,
                 "preemptions": self.scheduler.preemptions,
+                "max_num_batched_tokens": self.scheduler.max_num_batched_tokens,
+                "prefill_chunks": self.scheduler.prefill_chunks,  # prefill inputs the token budget cut short
             }
 

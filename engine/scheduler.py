@@ -13,6 +13,16 @@ oldest first; when none is free the newest running request is preempted (its blo
 freed, its tokens recomputed when it is admitted again, in arrival order). The oldest
 request alone always fits (requests longer than the cache are refused up front), so the
 batch always makes progress: no deadlock.
+
+Token budget (``max_num_batched_tokens``): a step feeds at most that many tokens, so one
+step's activations stay bounded and a long prompt cannot stall the decodes behind it.
+``plan_step`` gives every decoding request its one token first, then splits what is left
+among prefills, fewest remaining tokens first (chunked prefill: a prompt longer than the
+budget takes several steps, its K/V cached chunk by chunk), so a short prompt arriving
+behind a 4k-token one starts at the next step instead of after it. A prefill left out for
+``max_bypass_steps`` steps in a row goes first: shorter prompts cannot starve a long one.
+Admission stops at the first waiting request that would get no token this step. Without
+a budget every running request feeds all its uncomputed tokens.
 """
 
 from __future__ import annotations
@@ -25,6 +35,10 @@ from typing import Callable, Generic, Hashable, Optional, Protocol, TypeVar
 class Schedulable(Protocol):
     uid: Optional[str]
     blocked_steps: int
+    num_computed: int    # leading tokens whose K/V are cached (read only with a token budget)
+
+    @property
+    def num_tokens(self) -> int: ...
 
 
 S = TypeVar("S", bound=Schedulable)
@@ -45,12 +59,21 @@ class BlockSpace(Protocol[S]):
 
 class Scheduler(Generic[S]):
     def __init__(self, validate_batch: Callable[[set], bool], is_pinned: Callable[[Hashable], bool],
-                 max_batch_size: int, max_bypass_steps: int = 16, blocks: Optional[BlockSpace] = None):
-        """``blocks``: the KV cache's block accounting; None schedules by slots and batch size only."""
+                 max_batch_size: int, max_bypass_steps: int = 16, blocks: Optional[BlockSpace] = None,
+                 max_num_batched_tokens: Optional[int] = None):
+        """``blocks``: the KV cache's block accounting; None schedules by slots and batch size only.
+        ``max_num_batched_tokens``: tokens one step may feed (at least ``max_batch_size``, so every decode
+        fits); None: no budget, no chunking."""
+        if max_num_batched_tokens is not None and max_num_batched_tokens < max_batch_size:
+            raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} is below max_batch_size="
+                             f"{max_batch_size}: one step must fit every running request's next token")
         self.validate_batch = validate_batch
         self.is_pinned = is_pinned
         self.max_batch_size = max_batch_size
         self.blocks = blocks
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.prefill_chunks = 0  # prefill inputs cut short by the budget (their prompt continues next step)
+        self._starved: dict[int, int] = {}  # id(seq) -> steps in a row a running prefill fed no token
         self.max_bypass_steps = max_bypass_steps
         self.waiting: deque[S] = deque()
         self.running: list[S] = []
@@ -92,6 +115,8 @@ class Scheduler(Generic[S]):
         for seq in list(self.waiting):
             if len(self.running) + len(admitted) >= self.max_batch_size:
                 break
+            if not self._gets_tokens(seq, admitted):
+                break  # FIFO: it would get no token this step, and nobody overtakes it
             fits = self.validate_batch(uids | {seq.uid})
             if blocked_head is not None and fits:
                 adds_nothing = seq.uid in uids and blocked_head.blocked_steps < self.max_bypass_steps
@@ -112,6 +137,55 @@ class Scheduler(Generic[S]):
             blocked_head.blocked_steps += 1
         self.running.extend(admitted)
         return admitted
+
+    @staticmethod
+    def _wanted(seq: S) -> int:
+        """Tokens ``seq`` has yet to feed: 1 while decoding, the uncached prompt (and output) while prefilling."""
+        return seq.num_tokens - seq.num_computed
+
+    def _gets_tokens(self, seq: S, admitted: list[S]) -> bool:
+        """Whether ``seq``, admitted now, would feed a token this step: the budget left after every decode and
+        every prefill ranked before it (fewer tokens to go; its prefix blocks are not looked up yet)."""
+        if self.max_num_batched_tokens is None:
+            return True
+        wanted = self._wanted(seq)
+        ahead = 0
+        for other in (*self.running, *admitted):
+            w = self._wanted(other)
+            ahead += 1 if w == 1 else (w if w <= wanted else 0)
+        return ahead < self.max_num_batched_tokens
+
+    def plan_step(self) -> list[tuple[S, int]]:
+        """(request, tokens it feeds this step) for the running requests that feed any: decodes first, then
+        prefill chunks, fewest remaining tokens first (a prefill starved ``max_bypass_steps`` steps first of all),
+        until the budget is spent; a request left out feeds next step."""
+        if self.max_num_batched_tokens is None:
+            return [(seq, self._wanted(seq)) for seq in self.running]
+        by_age = sorted(self.running, key=self._order)
+        left = self.max_num_batched_tokens
+        plan: list[tuple[S, int]] = []
+        for seq in by_age:
+            if self._wanted(seq) == 1 and left > 0:
+                plan.append((seq, 1))
+                left -= 1
+        prefills = [seq for seq in by_age if self._wanted(seq) > 1]
+        prefills.sort(key=lambda seq: (self._starved.get(id(seq), 0) < self.max_bypass_steps, self._wanted(seq)))
+        for seq in prefills:
+            if left <= 0:
+                break
+            plan.append((seq, min(self._wanted(seq), left)))
+            left -= plan[-1][1]
+        return plan
+
+    def note_plan(self, plan: list[tuple[S, int]]) -> None:
+        """Record the step the engine runs: prefills left out count a starved step; chunks cut short are counted."""
+        fed = {id(seq) for seq, _ in plan}
+        for seq in self.running:
+            if id(seq) in fed or self._wanted(seq) == 1:
+                self._starved.pop(id(seq), None)
+            else:
+                self._starved[id(seq)] = self._starved.get(id(seq), 0) + 1
+        self.prefill_chunks += sum(1 for seq, n in plan if n < self._wanted(seq))
 
     def _make_room(self) -> list[S]:
         """Blocks for every running request's next input, oldest first, preempting the newest when short."""
@@ -152,6 +226,7 @@ class Scheduler(Generic[S]):
         if self.blocks is not None:
             self.blocks.release(seq)
         del self._arrival[id(seq)]
+        self._starved.pop(id(seq), None)
 
     def drop_waiting(self, predicate: Callable[[S], bool]) -> list[S]:
         dropped = [s for s in self.waiting if predicate(s)]

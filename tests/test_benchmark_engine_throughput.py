@@ -8,6 +8,7 @@ import operator
 import peft as _peft  # noqa: F401  (the test extra installs it; missing is a failure)
 
 from benchmarks import engine_throughput
+from benchmarks.throughput import long_prompts
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             num_hidden_layers=2, max_position_embeddings=256)
@@ -18,6 +19,7 @@ def test_engine_throughput_tiny(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(engine_throughput, "MAX_RUNNING", 4)
     monkeypatch.setattr(engine_throughput, "DECODE_BATCH", 4)
     monkeypatch.setattr(engine_throughput, "DECODE_CONTEXT", 16)
+    monkeypatch.setattr(long_prompts, "LONG_PROMPT", 200)
     out = tmp_path / "engine_throughput.json"
     assert engine_throughput.main(["--quick", "--requests", "10", "--threads", "1", "--json", str(out)]) == 0
 
@@ -25,7 +27,7 @@ def test_engine_throughput_tiny(monkeypatch, tmp_path, capsys):
     data = json.loads(out.read_text())
     goals = {g["name"]: g for g in data["goals"]}
     assert list(goals) == ["engine_vs_transformers_cb", "engine_vs_peft_mixed", "kv_concurrency_gain",
-                           "decode_vs_roofline"]
+                           "decode_vs_roofline", "short_ttft_p99_under_long_prompts"]
     for g in goals.values():  # each verdict is its measured number against its stated target
         op, bound = g["target"].split()
         assert isinstance(g["measured"], float) and g["measured"] > 0
@@ -43,3 +45,8 @@ def test_engine_throughput_tiny(monkeypatch, tmp_path, capsys):
     decode = data["metadata"]["decode_step"]
     assert decode["batch"] == 4 and decode["step_ms"] > 0 and decode["gemm_floor_ms"] > 0
     assert (tmp_path / "engine_throughput.png").exists()
+    alone, with_long = data["metadata"]["long_prompts"]
+    assert alone["requests"] == with_long["requests"] == 10  # the short requests' latencies, both runs
+    assert with_long["long_ttft_p50_ms"] > 0
+    ratio = with_long["ttft_p99_ms"] / alone["ttft_p99_ms"]
+    assert abs(goals["short_ttft_p99_under_long_prompts"]["measured"] - ratio) < 1e-9

@@ -171,6 +171,10 @@ def test_backend_choice_and_the_layout_it_reads():
     assert choose_backend(cpu, torch.bfloat16) == "torch"      # flashinfer is CUDA only
     with pytest.raises(ValueError, match="unknown attention backend"):
         choose_backend(cpu, torch.float32, "triton")
+    cuda = torch.device("cuda")  # only compared, never allocated on
+    # FlashInfer refuses head sizes below 64 (the demo model's is 16) and fp32: auto takes torch, logged once
+    assert choose_backend(cuda, torch.bfloat16, head_dim=16) == "torch"
+    assert choose_backend(cuda, torch.float32, head_dim=128) == "torch"
     try:
         import flashinfer  # noqa: F401
     except ImportError:

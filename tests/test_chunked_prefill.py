@@ -1,0 +1,159 @@
+"""The per-step token budget: decodes first, prefills chunked in arrival order, admission within the budget."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from deployments.config import AppArgs
+from engine.block_manager import BlockManager
+from engine.detokenizer import IncrementalDetokenizer
+from engine.demo.tokenizer import build_tokenizer
+from engine.kv_cache import PagedKVCache
+from engine.kv_setup import DEFAULT_TOKEN_BUDGET, token_budget
+from engine.live_settings import apply_live_settings
+from engine.request import GenerateRequest
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+
+TOKENIZER = build_tokenizer()
+
+
+def make(budget, num_blocks=64, block_size=4, max_batch=4):
+    cache = PagedKVCache(1, num_blocks, block_size, 1, 2, device=torch.device("cpu"), dtype=torch.float32,
+                         prefix_caching=False)
+    blocks = BlockManager(cache, watermark=0)
+    return Scheduler(lambda uids: True, lambda uid: False, max_batch, 16, blocks=blocks,
+                     max_num_batched_tokens=budget), blocks
+
+
+def seq(prompt_len, max_tokens=3):
+    ids = [10 + i % 50 for i in range(prompt_len)]
+    request = GenerateRequest(token_ids=ids, max_tokens=max_tokens)
+    return Sequence(request, None, ids, IncrementalDetokenizer(TOKENIZER, []), lambda item: None, torch.device("cpu"))
+
+
+def step(sched, blocks):
+    """What the engine does with a plan: cache the fed tokens; a request whose input ended gets a token."""
+    sched.schedule()
+    plan = sched.plan_step()
+    sched.note_plan(plan)
+    for s, n in plan:
+        blocks.commit(s, s.num_computed + n)
+        if s.num_computed == s.num_tokens:
+            s.output_ids.append(7)
+            if len(s.output_ids) >= s.request.max_tokens:
+                sched.finish(s)
+    return plan
+
+
+def test_decodes_go_first_then_the_shortest_prefills_with_what_is_left():
+    sched, blocks = make(budget=8)
+    old = seq(3, max_tokens=10)
+    sched.add(old)
+    assert step(sched, blocks) == [(old, 3)]            # alone: its whole prompt
+    long, short, later = seq(20, max_tokens=10), seq(5, max_tokens=10), seq(30)
+    for s in (long, short, later):
+        sched.add(s)
+    # the decode first, then the 5-token prompt before the 20-token one; the 30-token one would get nothing
+    assert step(sched, blocks) == [(old, 1), (short, 5), (long, 2)]
+    assert list(sched.waiting) == [later]
+    assert step(sched, blocks) == [(old, 1), (short, 1), (long, 6)]
+    assert step(sched, blocks) == [(old, 1), (short, 1), (long, 6)]
+    assert step(sched, blocks) == [(old, 1), (short, 1), (long, 6)] and long.output_ids == [7]
+    assert list(sched.waiting) == [later]           # the decodes and long's last 6 took all 8
+    assert step(sched, blocks) == [(old, 1), (long, 1), (short, 1), (later, 5)]   # decodes by age
+    assert sched.prefill_chunks == 4
+
+
+def test_a_long_prefill_is_not_starved_by_a_stream_of_short_ones():
+    sched, blocks = make(budget=8, num_blocks=512, max_batch=8)
+    sched.max_bypass_steps = 3
+    long = seq(40, max_tokens=1)
+    sched.add(long)
+    step(sched, blocks)
+    fed_long = []
+    for _ in range(12):
+        sched.add(seq(8, max_tokens=1))                 # each alone fills the budget, every step
+        fed_long.append(any(s is long for s, _ in step(sched, blocks)))
+    assert fed_long[:3] == [False] * 3 and fed_long[3]  # left out 3 steps in a row, then it goes first
+    assert long.num_computed > 8
+
+
+def test_without_a_budget_every_running_request_feeds_all_its_tokens():
+    sched, blocks = make(budget=None)
+    a, b = seq(30), seq(9)
+    sched.add(a)
+    sched.add(b)
+    assert step(sched, blocks) == [(a, 30), (b, 9)]
+    assert sched.prefill_chunks == 0
+
+
+def test_a_budget_below_the_batch_size_is_refused():
+    with pytest.raises(ValueError, match="max_num_batched_tokens=3 is below max_batch_size=4"):
+        make(budget=3, max_batch=4)
+    sched, blocks = make(budget=8, max_batch=4)
+    with pytest.raises(ValueError, match="at most max_num_batched_tokens=8"):
+        apply_live_settings({"max_batch_size": 9}, config=AppArgs().engine_config(), pool=None, scheduler=sched,
+                            kv_blocks=64)
+    assert sched.max_batch_size == 4  # the refused setting changed nothing
+
+
+def test_the_default_budget_is_per_device_and_never_below_the_batch_size():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert token_budget(AppArgs().engine_config(), cpu) == DEFAULT_TOKEN_BUDGET["cpu"]
+    assert token_budget(AppArgs().engine_config(), cuda) == DEFAULT_TOKEN_BUDGET["cuda"]
+    assert token_budget(AppArgs(max_batch_size=1024).engine_config(), cpu) == 1024
+    assert token_budget(AppArgs(max_num_batched_tokens=64).engine_config(), cuda) == 64
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_arrivals_finish_within_the_budget_and_no_decode_waits(seed):
+    rng = random.Random(seed)
+    budget = rng.choice([4, 6, 11])
+    sched, blocks = make(budget=budget, num_blocks=256, max_batch=4)
+    seqs = [seq(rng.randint(1, 40), max_tokens=rng.randint(1, 6)) for _ in range(12)]
+    pending = list(seqs)
+    fed = {id(s): 0 for s in seqs}
+    for _ in range(500):
+        if pending and rng.random() < 0.4:
+            sched.add(pending.pop(0))
+        decoding = [s for s in sched.running if s.num_tokens - s.num_computed == 1]
+        plan = step(sched, blocks)
+        assert sum(n for _, n in plan) <= budget
+        fed_now = {id(s) for s, _ in plan}
+        assert all(id(s) in fed_now for s in decoding)   # decodes never wait for a prefill
+        for s, n in plan:
+            fed[id(s)] += n
+        if not pending and not len(sched):
+            break
+    assert not len(sched) and all(len(s.output_ids) == s.request.max_tokens for s in seqs)
+    # each prompt was fed once (no preemption here), then one token per output but the last
+    assert all(fed[id(s)] == len(s.prompt_ids) + s.request.max_tokens - 1 for s in seqs)
+
+
+def test_the_profiling_forward_runs_a_full_budget_step_and_the_reserve_leaves_the_kv_budget(demo_assets):
+    """The start-up profile feeds ``max_num_batched_tokens`` tokens in one forward (measured on CUDA only); a reserve
+    larger than the free memory is a clear error, never a negative budget."""
+    from engine.activation_profile import activation_reserve_bytes, profile_forward
+    from engine.engine import LoRAEngine
+    from engine.kv_cache import kv_budget_bytes
+
+    engine = LoRAEngine(AppArgs(base_model=str(demo_assets.model_dir), max_num_batched_tokens=96).engine_config())
+    try:
+        with engine._step_lock:
+            logits = profile_forward(engine.model, engine.pool, engine.context, engine.config, engine.device,
+                                     engine.dtype, engine.max_num_batched_tokens)
+        assert logits.shape == (1, engine.model.config.vocab_size) and torch.isfinite(logits).all()
+        reserve = activation_reserve_bytes(engine.model, engine.pool, engine.context, engine.config, engine.device,
+                                           engine.dtype, 96)
+        assert (reserve > 0) == (engine.device.type == "cuda")
+        assert engine.stats()["max_num_batched_tokens"] == 96
+        if engine.device.type == "cuda":
+            with pytest.raises(ValueError, match="lower max_num_batched_tokens"):
+                kv_budget_bytes(None, device=engine.device, bytes_per_token=1, max_batch_size=1, max_model_len=1,
+                                memory_fraction=0.5, reserve_bytes=1 << 50)
+    finally:
+        engine.shutdown()
