@@ -418,7 +418,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     goals += elastic_goals
     big = [r for r in overhead if r["replicas"] == 1024 and r["kind"] == "policy"]
     goals.append(common.goal("sim_decision_median_us_1024_replicas", round(big[0]["median_us"], 1) if big else None,
-                             "<= 50", big[0]["median_us"] <= 50 if big else None))
+                             "<= 20", big[0]["median_us"] <= 20 if big else None))
+    settings_won = len(table)
+    for name, key, need in (("sim_fewest_loads_settings", "loads", 8), ("sim_lowest_p99_ttft_settings", "ttft_p99", 7)):
+        won = counts["affinity"][key]
+        goals.append(common.goal(name, won, f">= {need} of {settings_won}", won >= need if settings_won else None))
     live_rows: list[dict] = []
     if args.live_json:
         live_rows, agreement = live_check(args.live_json)

@@ -13,7 +13,7 @@ machine shares cores with the engines:
 
 - one replica per decision, from Serve's own queue-length cache: Serve never probes a
   replica we offer (a probe is an RPC that costs the caller and the replica);
-- every waiting request is in ``choose_replicas`` at once (``max_num_routing_tasks``), so a
+- up to 64 waiting requests are in ``choose_replicas`` at once (``max_num_routing_tasks``), so a
   freed row goes to one that can use it; when the best replica is full, or the adapter
   could only wait for a slot there, the request waits for capacity (woken, oldest first, by
   a completion of this router's requests) instead of Serve's backoff loop, which sleeps
@@ -158,7 +158,7 @@ class AdapterAffinityRouter(RequestRouter):
         Serve routes ``2 x replicas`` requests at a time and keeps the rest in a FIFO it does not
         show the policy. When the oldest few all wait for their adapter's busy holder, a row freed
         elsewhere stays empty although requests behind them could use it: under saturation that
-        idles replicas. With every waiting request in ``choose_replicas``, each completion wakes
+        idles replicas. With up to 64 waiting requests in ``choose_replicas``, each completion wakes
         them and the first whose expected completion time is lowest there takes the row.
         """
         serve_default = 2 * len(self._replicas)

@@ -24,6 +24,7 @@ from collections import Counter
 from typing import Callable, Mapping, Optional, Sequence
 
 _EMPTY: Mapping = {}
+PRUNE_INTERVAL_S = 10.0
 
 
 class DemandRates:
@@ -91,6 +92,7 @@ class LocalRouterState:
         self._chosen: dict[str, tuple[str, float]] = {}        # request id -> (replica, expiry)
         self.pending: Counter = Counter()                      # replica -> chosen, not yet in Serve's cache
         self.full_at: dict[str, float] = {}                    # replica -> when it was last seen full
+        self._pruned_at = clock()
 
     # ------------------------------------------------------------------ events
 
@@ -166,8 +168,15 @@ class LocalRouterState:
             table.pop(replica_id, None)
 
     def expire(self) -> None:
-        """Drop decisions Serve never sent (cancelled requests), so their rows come back."""
+        """Drop decisions Serve never sent (cancelled requests), so their rows come back; every
+        ``PRUNE_INTERVAL_S`` forget adapters no longer asked for (bounded maps)."""
         now = self._clock()
+        if now - self._pruned_at >= PRUNE_INTERVAL_S:
+            self._pruned_at = now
+            self.demand.prune()
+            for used in self.last_used.values():
+                for name in [a for a, t in used.items() if now - t > PRUNE_INTERVAL_S * 6]:
+                    del used[name]
         for request_id, (rid, expiry) in list(self._chosen.items()):
             if expiry <= now:
                 del self._chosen[request_id]
