@@ -45,12 +45,14 @@ def test_metrics_after_traffic(fleet, metrics_url):
     missing: list[str] = []
 
     def settled():
-        """A scrape with every series, the evictions, and one snapshot's worth of loads (pushed once a second)."""
+        """A scrape with every series, the evictions, one snapshot's worth of loads (pushed once a second)
+        and every routing decision (routers export theirs every few seconds)."""
         series = scrape(metrics_url)
         missing[:] = sorted(w for w in wanted if w not in series)
         loads = total(series, "ray_lorafleet_adapter_loads_total")
         ok = (not missing and total(series, "ray_lorafleet_adapter_evictions_total") > 0
-              and total(series, "ray_lorafleet_adapter_load_seconds_count") == loads)
+              and total(series, "ray_lorafleet_adapter_load_seconds_count") == loads
+              and total(series, "ray_lorafleet_router_decisions_total") >= 40)  # exported every 5 s
         return series if ok else None
 
     series = wait_until(settled, 90, "every metric's series on the metrics endpoint", interval_s=1.0,
