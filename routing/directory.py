@@ -205,7 +205,7 @@ class AdapterDirectory:
         replicas = [s.slots_for_plan() for r, s in self.replicas.items() if r != replica_id]
         replicas.append(ReplicaSlots(replica_id, slots, rows))
         demand = {name: self.demand.get(name) for name in self.demand.names()}
-        plan = trial.update(self._clock(), demand, replicas)
+        plan = trial.update(self._clock(), demand, replicas, rebalance_now=True)  # all it will be given
         mine = [name for name, holders in plan.holders.items() if replica_id in holders]
         return sorted(mine, key=lambda name: (-demand.get(name, 0.0), name))
 

@@ -17,9 +17,10 @@ directory (one writer, read by every router) keeps a plan, and routers route wit
   Planned holders keep their slots first (a newcomer never takes a placement's budget), and a
   holder stays planned while the count holds unless its replica has been overloaded (more than
   ``overload_share`` above the fleet's mean load and ``overload_floor`` replicas of load) for
-  ``overload_after_s`` (at once when a replica has just joined): a demand blip moves nothing,
-  since each move is a load and an eviction somewhere, but a replica that joins (or a lasting
-  imbalance) takes placements from the most loaded. Budget per replica: its slots, minus one
+  ``overload_after_s``: a demand blip moves nothing, since each move is a load and an eviction
+  somewhere, but a replica that joins (or a lasting imbalance) takes placements from the most
+  loaded: at once for placements nothing has asked for yet (at start-up, all of them), after
+  ``overload_after_s`` for those in use. A joining replica warms what it will be given. Budget per replica: its slots, minus one
   when the planned copies do not all fit (that slot serves what the plan could not place:
   without it every such request would evict a planned adapter, which then reloads). An
   adapter that finds no budget is still planned, on the least loaded replica (it will load
@@ -98,12 +99,15 @@ class FleetPlanner:
         self._replica_ids: set[str] = set()
 
     def update(self, now: float, demand: Mapping[str, float], replicas: Sequence[ReplicaSlots],
-               registered: Iterable[str] = ()) -> PlacementPlan:
+               registered: Iterable[str] = (), rebalance_now: bool = False) -> PlacementPlan:
         """A new plan (a new version only when some adapter's holders changed).
 
         ``demand``: adapter -> requests in service on average across the fleet. ``registered``:
         adapters that exist though no demand is measured yet; they are planned with the least need
-        the plan keeps, so the first request already finds its place (no placement to correct later)."""
+        the plan keeps, so the first request already finds its place (no placement to correct later).
+        ``rebalance_now``: overloaded replicas hand placements over at once, resident or not, as
+        they will after ``overload_after_s`` (a joining replica's warm start asks what it will be
+        given, to warm it before traffic)."""
         replicas = sorted(replicas, key=lambda r: r.replica_id)
         if not replicas:
             return self.plan
@@ -118,9 +122,13 @@ class FleetPlanner:
                 pinned_on.setdefault(name, []).append(i)
         counts = self._counts(now, need, len(replicas), pinned_on)
         ids = {r.replica_id for r in replicas}
-        joined = bool(self._replica_ids) and not ids <= self._replica_ids  # a replica joined: rebalance now
+        joined = bool(self._replica_ids) and not ids <= self._replica_ids
         self._replica_ids = ids
-        holders, load = self._assign(now, counts, need, replicas, pinned_on, joined)
+        # a join moves at once only placements nothing has asked for yet (the registered ones placed
+        # before it; at start-up every placement): moving those in use at once tripled p99 TTFT after
+        # a scale-out in cluster_sim, so they move as overload shedding decides (overload_after_s)
+        in_use = {a for a, d in demand.items() if d > 0} if joined and not rebalance_now else None
+        holders, load = self._assign(now, counts, need, replicas, pinned_on, rebalance_now or joined, in_use)
         busy = self._busy(replicas, load)
         if holders != dict(self.plan.holders) or busy != self.plan.busy:
             self.plan = PlacementPlan(self.plan.version + 1, holders, busy)
@@ -167,7 +175,8 @@ class FleetPlanner:
 
     def _assign(self, now: float, counts: Mapping[str, int], need: Mapping[str, float],
                 replicas: Sequence[ReplicaSlots], pinned_on: Mapping[str, list[int]],
-                joined: bool = False) -> tuple[dict[str, tuple[str, ...]], list[float]]:
+                rebalance_now: bool = False, keep: Optional[set] = None
+                ) -> tuple[dict[str, tuple[str, ...]], list[float]]:
         cfg = self.config
         n = len(replicas)
         index = {r.replica_id: i for i, r in enumerate(replicas)}
@@ -195,7 +204,7 @@ class FleetPlanner:
         mean = sum(need.get(a, 0.0) for a in counts) / n
         overloaded = mean + max(cfg.overload_share * mean, cfg.overload_floor)
         shedding = {i for i, r in enumerate(replicas)
-                    if joined or now - self._over_since.get(r.replica_id, now) >= cfg.overload_after_s}
+                    if rebalance_now or now - self._over_since.get(r.replica_id, now) >= cfg.overload_after_s}
         order = sorted((a for a in counts if a not in pinned_on or counts[a] > len(pinned_on[a])),
                        key=lambda a: (-need.get(a, 0.0), a))
         share = {a: need.get(a, 0.0) / counts[a] for a in order}
@@ -209,12 +218,14 @@ class FleetPlanner:
                 heapq.heappush(heap, (load[i], i))
 
         # first every planned holder keeps its slot (so no placement loses its budget to a newcomer),
-        # except on a replica that has been overloaded for overload_after_s: it keeps what fits
+        # except on a replica that has been overloaded for overload_after_s (or just joined by
+        # another): it keeps what fits, and what ``keep`` names
         for name in order:
             picked = chosen.setdefault(name, [])
             for i in sorted(previous.get(name, ()), key=lambda i: replicas[i].replica_id):
                 if len(picked) < counts[name] and budget[i] > 0 and i not in picked and (
-                        i not in shedding or load[i] + share[name] <= overloaded):
+                        i not in shedding or load[i] + share[name] <= overloaded
+                        or (keep is not None and name in keep)):
                     take(name, i)
         # then the holders still missing, the cheapest first
         for name in order:

@@ -90,26 +90,25 @@ def test_warm_start_loads_the_plan_before_traffic_and_saves_loads_there() -> Non
     assert loads[True] < loads[False]
 
 
-def test_warm_adapters_are_what_the_placement_plan_puts_on_the_new_replica() -> None:
+def test_warm_adapters_are_what_the_placement_plan_would_give_the_new_replica() -> None:
     t = trace(n=800, adapters=30)
     sim = Simulator(t, SimConfig(replicas=3, router="affinity"))
     stop = float(t.arrivals[700])
     grabbed: dict = {}
 
     def join() -> None:
+        # the directory's trial re-plan with the newcomer, as add_replica asks it (before the join)
+        grabbed["planned"] = sim.directory.planned_for(f"replica-{len(sim.replicas):04d}", sim.config.slots,
+                                                       sim.config.max_batch)
         replica = add_replica(sim, True, [])
         grabbed.update(replica=replica, slots=set(replica.pool.uid_to_slot))
 
-    def replanned() -> None:  # the directory's next re-plan, with the new replica in it
-        grabbed["plan"] = sim.directory.update_plan()
-
     sim.at(stop, join)
-    sim.at(stop + 1e-6, replanned)
     sim.run()
-    replica, slots, plan = grabbed["replica"], grabbed["slots"], grabbed["plan"]
+    slots, planned = grabbed["slots"], grabbed["planned"]
     assert slots and len(slots) <= sim.config.slots - 1
-    for uid in slots:  # it warmed what routers will send it
-        assert replica.rid in plan.holders[uid]
+    # it warmed what the plan would send it (of the adapters some replica holds: known to be in use)
+    assert slots <= set(planned)
 
 
 def test_bad_scale_events_are_refused() -> None:
