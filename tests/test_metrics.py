@@ -67,7 +67,9 @@ def test_metrics_after_traffic(fleet, metrics_url):
     assert total(series, "ray_lorafleet_adapter_load_seconds_count") == loads
     assert total(series, "ray_lorafleet_adapter_load_seconds_sum") > 0
     assert total(series, "ray_lorafleet_host_cache_bytes") > 0
-    decisions = {l["kind"]: v for l, v in series["ray_lorafleet_router_decisions_total"]}
+    decisions: dict = {}  # one series per router process and kind: sum them per kind
+    for labels, value in series["ray_lorafleet_router_decisions_total"]:
+        decisions[labels["kind"]] = decisions.get(labels["kind"], 0.0) + value
     assert decisions.get("affinity", 0) > 0 and sum(decisions.values()) >= 40
     assert total(series, "ray_lorafleet_directory_events_total") >= loads
     assert total(series, "ray_lorafleet_directory_replicas") >= 1
