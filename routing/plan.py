@@ -276,10 +276,3 @@ def _least_loaded(heap: list, load: Sequence[float], budget: Sequence[int], m: i
     for entry in keep:
         heapq.heappush(heap, entry)
     return out
-
-
-def planned_indices(plan: Optional[PlacementPlan], name: str, index: Mapping[str, int]) -> tuple[int, ...]:
-    """The plan's holders of ``name`` among the replicas a router can use, as indexes."""
-    if plan is None:
-        return ()
-    return tuple(index[r] for r in plan.holders.get(name, ()) if r in index)
