@@ -26,11 +26,11 @@ def build_app(args: dict) -> Application:
 
 
 def build_fleet(parsed: AppArgs, worker_options: Optional[dict] = None,
-                ingress_options: Optional[dict] = None) -> Application:
-    """The application graph; ``worker_options`` / ``ingress_options`` override LoRAWorker's / the
-    ingress's deployment options (tests, scripts)."""
+                ingress_options: Optional[dict] = None, directory_options: Optional[dict] = None) -> Application:
+    """The application graph; ``worker_options`` / ``ingress_options`` / ``directory_options`` override
+    LoRAWorker's / the ingress's / the directory's deployment options (tests, scripts)."""
     plain = parsed.model_dump()
-    directory = AdapterDirectoryActor.bind()
+    directory = AdapterDirectoryActor.options(**(directory_options or {})).bind()
     drain = dict(graceful_shutdown_timeout_s=parsed.request_timeout_s + DRAIN_MARGIN_S)  # finish what was admitted
     options = dict(
         **drain,

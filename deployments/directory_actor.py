@@ -106,7 +106,11 @@ class AdapterDirectoryActor:
         current = self.registry.get(entry.name)
         return dataclasses.replace(entry, generation=(current.generation if current else 0) + 1)
 
-    def put_adapter(self, entry: dict, *, if_absent: bool = True) -> dict:
+    # Registry writes are coroutines so they run one at a time on this actor's event loop: Serve runs a
+    # plain method in a thread pool, where two concurrent registrations each wrote the registry they had
+    # read and one of them was lost.
+
+    async def put_adapter(self, entry: dict, *, if_absent: bool = True) -> dict:
         """Add an entry; with ``if_absent`` an existing name is returned unchanged (first one wins)."""
         new = RegistryEntry.from_dict(entry)
         current = self.registry.get(new.name)
@@ -116,7 +120,7 @@ class AdapterDirectoryActor:
         self._commit_registry({**self.registry, new.name: new})
         return new.to_dict()
 
-    def write_entries(self, updates: list[dict], expected: dict[str, int], remove: tuple[str, ...] = ()) -> list[dict]:
+    async def write_entries(self, updates: list[dict], expected: dict[str, int], remove: tuple[str, ...] = ()) -> list[dict]:
         """Compare-and-set: apply ``updates`` and ``remove`` at once, only if every name in ``expected``
         is still at that generation (else ``RegistryConflictError``, 409, and nothing changes)."""
         for name, generation in expected.items():
@@ -131,7 +135,7 @@ class AdapterDirectoryActor:
         self._commit_registry(registry)
         return [e.to_dict() for e in written]
 
-    def remove_adapter(self, name: str, expected_generation: Optional[int] = None) -> dict:
+    async def remove_adapter(self, name: str, expected_generation: Optional[int] = None) -> dict:
         entry = self.registry.get(name)
         if entry is None:
             raise AdapterNotFoundError(f"adapter {name!r} is not registered")
@@ -140,7 +144,7 @@ class AdapterDirectoryActor:
         self._commit_registry({n: e for n, e in self.registry.items() if n != name})
         return entry.to_dict()
 
-    def set_pinned(self, name: str, pinned: bool, replicas: Optional[int] = None) -> dict:
+    async def set_pinned(self, name: str, pinned: bool, replicas: Optional[int] = None) -> dict:
         entry = self.registry.get(name)
         if entry is None:
             raise AdapterNotFoundError(f"adapter {name!r} is not registered")
@@ -218,7 +222,7 @@ class AdapterDirectoryActor:
         """uid -> {"load": n, "evict": n, ...} over the whole fleet since the directory started."""
         return {uid: dict(c) for uid, c in self.directory.adapter_counts.items()}
 
-    def forget_replica(self, replica_id: str) -> bool:
+    async def forget_replica(self, replica_id: str) -> bool:
         """A replica leaves (its own goodbye on graceful shutdown, or a caller that knows it is gone)."""
         self._remember_departed([replica_id])
         forgotten = self.directory.forget_replica(replica_id)

@@ -17,13 +17,24 @@ serve for both.
 Compute is modelled, not measured: a Llama-3-8B-class model on one datacenter GPU, with
 prefill at ``prefill_s_per_token`` per prompt token and memory-bound decode at
 ``decode_s_per_token`` per generated token (one step per token, the same for every batch
-size up to ``max_batch``). Prefill and adapter loads stall the replica's whole batch
-(the engine prepares slots and prefills at a step boundary, synchronously).
+size up to ``max_batch``).
+
+What a load costs, as the engine pays it (``deployments/worker.py`` and ``engine/engine.py``):
+
+- a **disk read** (``disk_read_s``: the file read into the host tier) happens off the engine
+  thread before the request is submitted: the requester waits for it, the batch does not;
+- a **host-to-slot copy** (``host_copy_s``) happens at a step boundary on the engine thread:
+  every running request waits for it;
+- a step costs ``step_s(prefill_tokens)``: one decode step for every running row plus the
+  prompt tokens it prefills, at most ``token_budget`` tokens a step (chunked prefill).
+
+``benchmarks.fleet_live``'s emulated engine sleeps these times and the simulator charges them,
+so both run one model (``scaled`` multiplies every time by one factor, for slower machines).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 # rank -> (host-tier seconds, disk seconds), from benchmarks.swap as above
 MEASURED_LOAD_SECONDS: dict[int, tuple[float, float]] = {
@@ -54,6 +65,27 @@ class CostModel:
     decode_s_per_token: float = 0.025   # one decode step (memory-bound, batch <= max_batch)
     host_cache_bytes: float = 8e9       # host tier per replica (LRU by bytes, like pool.host_cache)
     load_table: dict = field(default_factory=lambda: {r: _interpolated(r) for r in (8, 16, 32, 64)})
+    token_budget: int = 8192            # tokens one step computes at most (prefill chunk + decode rows)
+
+    def host_copy_s(self, rank: int) -> float:
+        """A host-tier copy into a slot: stalls the step it happens in."""
+        return self.load_seconds(rank, True)
+
+    def disk_read_s(self, rank: int) -> float:
+        """A read from disk into the host tier (the measured disk load less its slot copy): off the step."""
+        return max(0.0, self.load_seconds(rank, False) - self.load_seconds(rank, True))
+
+    def step_s(self, prefill_tokens: int) -> float:
+        """One engine step: a decode token for every running row, plus ``prefill_tokens`` prompt tokens."""
+        return self.decode_s_per_token + prefill_tokens * self.prefill_s_per_token
+
+    def scaled(self, factor: float) -> "CostModel":
+        """Every time multiplied by ``factor`` (a slower device; bytes and budgets unchanged)."""
+        if factor <= 0:
+            raise ValueError(f"time scale must be > 0, got {factor}")
+        return replace(self, prefill_s_per_token=self.prefill_s_per_token * factor,
+                       decode_s_per_token=self.decode_s_per_token * factor,
+                       load_table={r: (h * factor, d * factor) for r, (h, d) in self.load_table.items()})
 
     def load_seconds(self, rank: int, from_host: bool) -> float:
         host, disk = self.load_table[rank] if rank in self.load_table else _interpolated(rank)
@@ -72,6 +104,7 @@ class CostModel:
             "prefill_s_per_token": self.prefill_s_per_token,
             "decode_s_per_token": self.decode_s_per_token,
             "host_cache_bytes": self.host_cache_bytes,
+            "token_budget": self.token_budget,
             "load_seconds_host_disk_by_rank": {str(r): list(v) for r, v in self.load_table.items()},
             "source": "benchmarks.swap full run (CPU, Llama-3-8B shapes, bf16); rank 32 interpolated",
         }

@@ -1,0 +1,441 @@
+"""A live 16-replica fleet on Ray Serve, the GPU replaced by the cost model: this router vs Serve's and the usual peers.
+
+Why: the router exists to win at fleet scale, and a simulator may be trusted there only
+once it reproduces a live fleet. Here every part of serving is the product's own (Serve,
+the worker, the engine's scheduler, chunked prefill, KV blocks, the pool, adapter staging,
+the host tier, the directory, the placement plan and the router) and only the GPU's work
+is a sleep of ``benchmarks.sim.costs.CostModel``'s time (``benchmarks/live/emulated.py``):
+a step's forward, a host-to-slot copy (the step stalls), a disk read (the requester waits).
+So 16 replicas run on two cores and the times are a GPU fleet's.
+
+Workload (``benchmarks.fleet_workload``): the Azure LLM inference trace 2023 (code service;
+arrivals and prompt/output lengths, vendored with its attribution), time rescaled to an
+offered load of the fleet's capacity (0.4 and 0.8), and the same requests with gamma CV 2
+arrivals; 256 adapters, Zipf popularity, ranks 8-64. Sent open loop from one client process
+(one router) through a ``DeploymentHandle``; TTFT is the worker's first token time less the
+send time (one machine's clock).
+
+Variants, deployed one after another on the same cluster (16 replicas each; two fleets at
+once would not fit in memory), each replaying the same segments in the same order (a
+warm-up, then each measured cell):
+
+- ``affinity``: the product as it ships (``deployments.app.build_fleet``: directory, plan,
+  ``AdapterAffinityRouter``);
+- ``multiplexed``: Ray Serve's model multiplexing (``@serve.multiplexed``, LRU of ``slots``
+  models per replica; every load is a registration, a disk read);
+- ``pow2``: the product's workers behind Serve's default router (power of two choices);
+- ``hash``: consistent (rendezvous) hashing on the adapter name, next replica when full.
+
+Goals (JSON ``goals``; each is the worst over the measured cells): ``fleet16_loads_vs_multiplexed``
+<= 0.6 (slot loads), ``fleet16_p99_ttft_vs_best_peer`` <= 1.0, ``fleet16_sim_agrees`` (the simulator
+replays the run: per variant and cell, loads within 10 %, TTFT p50 and p99 within 25 %, and every
+pairwise ranking of loads and p99 TTFT the same), ``fleet16_control_plane_cpu_share`` (reported:
+the share of the machine's CPU the fleet's processes used, the emulated GPU's sleeps excluded).
+
+    python -m benchmarks.fleet_live [--quick] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import numpy as np
+
+from . import common
+from .fleet_workload import describe, fleet_workload
+from .sim.costs import CostModel
+from .traces import Trace
+
+APP = "fleet-live"
+VARIANTS = ("affinity", "multiplexed", "pow2", "hash")
+PEERS = ("multiplexed", "pow2", "hash")
+RUN_ORDER = ("affinity", "pow2", "hash", "multiplexed")  # the product's app first, then the baseline's
+VOCAB_LOW = 10  # prompt token ids are drawn above the tokenizer's special tokens
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One replayed stretch of the trace: a warm-up or a measured cell."""
+
+    name: str
+    load: float
+    arrivals: str
+    offset: int
+    requests: int
+    seed: int
+
+    @property
+    def measured(self) -> bool:
+        return self.name != "warmup"
+
+
+def make_segments(args) -> list[Segment]:
+    n = args.requests or (240 if args.quick else 800)
+    cells = [(load, arrivals) for arrivals in args.arrivals for load in args.loads]
+    out = [Segment("warmup", min(args.loads), "trace", 0, max(60, n // 3), args.seed)]
+    offset = out[0].requests
+    for k, (load, arrivals) in enumerate(cells):
+        out.append(Segment(f"{arrivals}@{load:g}", load, arrivals, offset, n, args.seed + 1 + k))
+        offset += n
+    return out
+
+
+def segment_trace(seg: Segment, args, costs: CostModel) -> Trace:
+    return fleet_workload(seg.requests, num_adapters=args.adapters, zipf_s=args.zipf, offered_load=seg.load,
+                          arrivals=seg.arrivals, costs=costs, replicas=args.replicas, rows=args.rows,
+                          seed=seg.seed, offset=seg.offset, max_prompt=args.max_prompt, max_output=args.max_output)
+
+
+def adapter_ranks(args, costs: CostModel) -> dict[str, int]:
+    """Each adapter's modelled rank (the same draw every segment makes: ranks depend on the seed only)."""
+    trace = fleet_workload(1, num_adapters=args.adapters, zipf_s=args.zipf, offered_load=1.0, arrivals="trace",
+                           costs=costs, replicas=args.replicas, rows=args.rows, seed=args.seed)
+    return {adapter_name(i): int(r) for i, r in enumerate(trace.ranks.tolist())}
+
+
+def adapter_name(i: int) -> str:
+    return f"demo-{i}"
+
+
+def payload(trace: Trace, vocab: int, seed: int) -> list[tuple[float, str, list[int], int]]:
+    rng = np.random.default_rng(seed + 104729)
+    out = []
+    for at, a, n_in, n_out in zip(trace.arrivals.tolist(), trace.adapters.tolist(), trace.input_lens.tolist(),
+                                  trace.output_lens.tolist()):
+        out.append((at, adapter_name(a), rng.integers(VOCAB_LOW, vocab, int(n_in)).tolist(), int(n_out)))
+    return out
+
+
+# ---------------------------------------------------------------------------- one variant
+
+
+def app_args(args, costs: CostModel):
+    from deployments.config import AdapterSpec, AppArgs
+
+    return AppArgs(max_loras_per_batch=args.slots, max_lora_rank=16, max_batch_size=args.rows,
+                   max_tokens_limit=args.max_output, max_model_len=args.max_prompt + args.max_output,
+                   max_num_batched_tokens=costs.token_budget, enable_prefix_caching=False,
+                   host_cache_bytes=1 << 30, max_waiting_requests=4 * args.rows,
+                   adapters=[AdapterSpec(name=adapter_name(i), source=f"demo:{adapter_name(i)}")
+                             for i in range(args.adapters)])
+
+
+def application(variant: str, args, parsed, env: dict):
+    """``multiplexed``: the baseline's app; any other: the product's, with ``VariantRouter`` (each
+    client process names its router)."""
+    from ray.serve.config import RequestRouterConfig
+
+    from deployments.app import build_fleet
+
+    from .live.emulated_workers import EmulatedLoRAWorker, EmulatedMultiplexedWorker
+    from .live.multiplexed_worker import build_multiplexed
+
+    options = {"num_replicas": args.replicas, "ray_actor_options": {"num_cpus": 0.01, "runtime_env": env}}
+    if variant == "multiplexed":
+        return build_multiplexed(parsed, {**options, "func_or_class": EmulatedMultiplexedWorker})
+    options["func_or_class"] = EmulatedLoRAWorker
+    options["request_router_config"] = RequestRouterConfig(
+        request_router_class="benchmarks.live.peer_routers:VariantRouter",
+        request_router_kwargs=parsed.router_kwargs(), request_routing_stats_period_s=5.0)
+    return build_fleet(parsed, options)
+
+
+class Fleet:
+    """The deployed app for one variant at a time: its client (one router) and its load counter.
+
+    ``affinity``, ``pow2`` and ``hash`` share one deployment (a router switch is a config update;
+    the pools are emptied in between); ``multiplexed`` is its own app."""
+
+    def __init__(self, args, parsed, env: dict):
+        self.args, self.parsed, self.env = args, parsed, env
+        self.variant: Optional[str] = None
+        self.client = None
+        self.deploy_s = 0.0
+
+    @property
+    def multiplexed(self) -> bool:
+        return self.variant == "multiplexed"
+
+    @property
+    def deployment(self) -> str:
+        return "MultiplexedLoRAWorker" if self.multiplexed else "LoRAWorker"
+
+    def switch(self, variant: str) -> None:
+        """Deploy (the first time, or between the product's app and the baseline's) or empty the pools,
+        then a new client process whose router is ``variant``'s."""
+        import ray
+        from ray import serve
+
+        from .live.peer_routers import ROUTER_ENV
+        from .live.replay_client import ReplayClient
+
+        started = time.perf_counter()
+        if self.client is not None:
+            ray.kill(self.client)
+            self.client = None
+        same_app = self.variant is not None and (variant == "multiplexed") == self.multiplexed
+        if same_app:
+            self._reset_pools()
+        else:
+            if self.variant is not None:
+                serve.delete(APP)
+            serve.run(application(variant, self.args, self.parsed, self.env), name=APP, route_prefix=None)
+        self.variant = variant
+        self.loads()  # every worker up and reporting
+        env = {"env_vars": {ROUTER_ENV: variant}} if not self.multiplexed else {}
+        self.client = ReplayClient.options(runtime_env=env).remote(APP, self.deployment, self.multiplexed)
+        ray.get(self.client.pid.remote())
+        self.deploy_s = time.perf_counter() - started
+
+    def _reset_pools(self) -> None:
+        """Every replica empties its pool and host tier (asked by ``ReplicaTarget`` through an affinity
+        router in this process)."""
+        from ray import serve
+
+        from engine.request import ReplicaTarget
+
+        handle = serve.get_deployment_handle("LoRAWorker", app_name=APP)
+        for rid in self._replica_ids():
+            handle.reset_adapters.remote(ReplicaTarget(rid)).result()
+
+    def _replica_ids(self) -> list[str]:
+        from ray import serve
+
+        directory = serve.get_deployment_handle("AdapterDirectory", app_name=APP)
+        return directory.view.remote().result()["replicas"]
+
+    def loads(self) -> int:
+        """Slot loads over the whole fleet so far."""
+        from ray import serve
+
+        from .routing_live import sample_replicas
+
+        handle = serve.get_deployment_handle(self.deployment, app_name=APP)
+        if self.multiplexed:
+            stats = sample_replicas(lambda: handle.stats.remote(), self.args.replicas, timeout_s=120)
+            return sum(s["counters"]["loads"] for s in stats.values())
+        directory = serve.get_deployment_handle("AdapterDirectory", app_name=APP)
+        deadline = time.monotonic() + 300
+        while len(self._replica_ids()) < self.args.replicas:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.variant}: not every worker reported within 300 s")
+            time.sleep(0.2)
+        return sum(c.get("load", 0) for c in directory.adapter_counts.remote().result().values())
+
+    def replay(self, requests: list) -> dict:
+        import ray
+
+        return ray.get(self.client.run.remote(requests, time.time() + 0.5))
+
+    def close(self) -> None:
+        import ray
+        from ray import serve
+
+        if self.client is not None:
+            ray.kill(self.client)
+        serve.delete(APP)
+
+
+def _q(values: list[float], p: float) -> float:
+    return float(np.percentile(values, p)) if values else math.nan
+
+
+def measure(fleet: Fleet, seg: Segment, requests: list, meter, started_at: float) -> dict:
+    import psutil
+
+    loads_before = fleet.loads()
+    seg_start = time.time() - started_at
+    meter.start()
+    machine_before = psutil.cpu_times()
+    out = fleet.replay(requests)
+    machine_after = psutil.cpu_times()
+    cpu = meter.stop()
+    loads = fleet.loads() - loads_before
+    ttft = [x for x in out["ttft"] if x is not None]
+    e2e = [x for x in out["e2e"] if x is not None]
+    busy = lambda t: t.user + t.system + getattr(t, "irq", 0) + getattr(t, "softirq", 0)  # noqa: E731
+    cores = psutil.cpu_count() or 1
+    fleet_cpu = sum(cpu.values())
+    row = {
+        "variant": fleet.variant, "segment": seg.name, "load": seg.load, "arrivals": seg.arrivals,
+        "requests": seg.requests, "start_s": round(seg_start, 3), "loads": loads,
+        "loads_per_1k": 1000.0 * loads / seg.requests,
+        "ttft_p50_ms": 1000 * _q(ttft, 50), "ttft_p99_ms": 1000 * _q(ttft, 99),
+        "e2e_p50_ms": 1000 * _q(e2e, 50), "e2e_p99_ms": 1000 * _q(e2e, 99),
+        "req_per_s": len(e2e) / out["wall_s"], "errors": len(out["errors"]),
+        "client_cpu_ms": 1000 * out["cpu_s"] / seg.requests,
+        "fleet_cpu_share": fleet_cpu / (out["wall_s"] * cores),
+        "machine_cpu_share": (busy(machine_after) - busy(machine_before)) / (out["wall_s"] * cores),
+        "wall_s": out["wall_s"], "cpu_by_role_s": {k: round(v, 3) for k, v in cpu.items()},
+        "error_samples": out["errors"][:3],
+        "ttft_s": [round(x, 4) if x is not None else None for x in out["ttft"]],
+    }
+    print(f"  {fleet.variant:>11} {seg.name:>10} loads={loads:4d} ttft p50={row['ttft_p50_ms']:7.0f} "
+          f"p99={row['ttft_p99_ms']:7.0f} ms e2e p99={row['e2e_p99_ms']:7.0f} ms {row['req_per_s']:5.1f} req/s "
+          f"cpu {row['machine_cpu_share']:.0%} errors={row['errors']}", flush=True)
+    if out["errors"]:
+        print(f"    first error: {out['errors'][0]}", flush=True)
+    return row
+
+
+def run_variant(fleet: Fleet, variant: str, segments: list[Segment], payloads: dict) -> list[dict]:
+    import ray
+
+    from .live.processes import CpuMeter, find_processes
+
+    fleet.switch(variant)
+    print(f"{variant}: {fleet.args.replicas} replicas ready in {fleet.deploy_s:.1f} s", flush=True)
+    pids = find_processes([APP])
+    pids["client"] = [ray.get(fleet.client.pid.remote())]
+    pids["controller"] = _controller_pids()
+    meter = CpuMeter(pids)
+    rows = []
+    started_at = time.time()
+    for seg in segments:
+        row = measure(fleet, seg, payloads[seg.name], meter, started_at)
+        if seg.measured:
+            rows.append(row)
+    return rows
+
+
+def _controller_pids() -> list[int]:
+    import psutil
+
+    from .live.processes import _title
+
+    return [p.pid for p in psutil.process_iter() if "ServeController" in _title(p)]
+
+
+# ---------------------------------------------------------------------------- goals
+
+
+def _by_cell(rows: list[dict]) -> dict[str, dict[str, dict]]:
+    out: dict[str, dict[str, dict]] = {}
+    for r in rows:
+        out.setdefault(r["segment"], {})[r["variant"]] = r
+    return out
+
+
+def goals(rows: list[dict], agreement: Optional[dict]) -> list[dict]:
+    loads, p99 = [], []
+    for cell, by in _by_cell(rows).items():
+        a, mux = by.get("affinity"), by.get("multiplexed")
+        peers = [by[p] for p in PEERS if p in by]
+        if a is None:
+            continue
+        if mux is not None and mux["loads"] > 0:
+            loads.append(a["loads"] / mux["loads"])
+        if peers:
+            p99.append(a["ttft_p99_ms"] / min(p["ttft_p99_ms"] for p in peers))
+    share = max((r["machine_cpu_share"] for r in rows), default=None)
+    worst_loads = max(loads) if loads else None
+    worst_p99 = max(p99) if p99 else None
+    agrees = None if agreement is None else bool(agreement["agrees"])
+    return [
+        common.goal("fleet16_loads_vs_multiplexed", None if worst_loads is None else round(worst_loads, 3), "<= 0.6",
+                    None if worst_loads is None else worst_loads <= 0.6),
+        common.goal("fleet16_p99_ttft_vs_best_peer", None if worst_p99 is None else round(worst_p99, 3), "<= 1.0",
+                    None if worst_p99 is None else worst_p99 <= 1.0),
+        common.goal("fleet16_sim_agrees", None if agreement is None else agreement["summary"],
+                    "loads within 10%, TTFT p50/p99 within 25%, every ranking", agrees),
+        common.goal("fleet16_control_plane_cpu_share", None if share is None else round(share, 3), "reported", None),
+    ]
+
+
+def make_parser():
+    parser = common.base_parser(__doc__.split("\n\n")[0])
+    parser.add_argument("--replicas", type=int, default=16, help="worker replicas (default 16)")
+    parser.add_argument("--slots", type=int, default=8, help="adapter slots per replica (default 8)")
+    parser.add_argument("--rows", type=int, default=8, help="running requests per replica = max_ongoing_requests")
+    parser.add_argument("--adapters", type=int, default=256, help="adapters (default 256)")
+    parser.add_argument("--zipf", type=float, default=1.0, help="Zipf exponent of adapter popularity (default 1.0)")
+    parser.add_argument("--loads", type=float, nargs="+", default=[0.4, 0.8], help="offered loads (of capacity)")
+    parser.add_argument("--arrivals", nargs="+", choices=("trace", "gamma"), default=["trace", "gamma"])
+    parser.add_argument("--requests", type=int, help="requests per measured cell (default 800; quick 240)")
+    parser.add_argument("--time-scale", type=float, default=1.0,
+                        help="every modelled time multiplied by this (a slower GPU; default 1)")
+    parser.add_argument("--max-prompt", type=int, default=8192, help="prompt tokens at most (trace capped)")
+    parser.add_argument("--max-output", type=int, default=512, help="output tokens at most (trace capped)")
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--cpus", type=int, default=8, help="logical CPUs of the local Ray cluster")
+    parser.add_argument("--no-sim", action="store_true", help="skip the simulator's replay of the run")
+    parser.add_argument("--verbose", action="store_true", help="keep Ray Serve's driver-side log lines")
+    return parser
+
+
+def main(argv=None) -> list[dict]:
+    args = make_parser().parse_args(argv)
+    all_started = time.perf_counter()
+    costs = CostModel().scaled(args.time_scale)
+    segments = make_segments(args)
+
+    import ray
+    from ray import serve
+
+    from transformers import AutoConfig
+
+    from engine.demo import ensure_demo_assets
+
+    from .live.emulated_workers import emulation_env
+
+    assets = ensure_demo_assets(num_adapters=args.adapters)  # once, before any replica races to build them
+    vocab = int(AutoConfig.from_pretrained(assets.model_dir).vocab_size)
+    traces = {seg.name: segment_trace(seg, args, costs) for seg in segments}
+    payloads = {name: payload(tr, vocab, seg.seed) for (name, tr), seg in zip(traces.items(), segments)}
+    parsed = app_args(args, costs)
+    env = emulation_env(args.time_scale, adapter_ranks(args, costs))
+    print(f"fleet_live: {args.replicas} replicas x {args.slots} slots x {args.rows} rows, {args.adapters} adapters "
+          f"(zipf s={args.zipf:g}, ranks 8-64), time scale {args.time_scale:g}; variants {args.variants}", flush=True)
+    for seg in segments:
+        print(f"  {seg.name:>10}: {describe(traces[seg.name])}", flush=True)
+    ray.init(address="local", num_cpus=args.cpus, include_dashboard=False, log_to_driver=False,
+             configure_logging=False)
+    serve.start(proxy_location="Disabled")
+    if not args.verbose:
+        logging.getLogger("ray.serve").setLevel(logging.ERROR)
+    rows: list[dict] = []
+    fleet = Fleet(args, parsed, env)
+    try:
+        for variant in sorted(args.variants, key=RUN_ORDER.index):
+            rows += run_variant(fleet, variant, segments, payloads)
+        fleet.close()
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+    agreement = None
+    if not args.no_sim:
+        from .sim.fleet_replay import agreement_with_live, replay_fleet_live
+
+        sim_rows = replay_fleet_live(_settings(args, segments, costs), args.variants)
+        agreement = agreement_with_live(rows, sim_rows)
+    columns = ["segment", "variant", "loads", "ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms", "req_per_s",
+               "errors", "client_cpu_ms", "fleet_cpu_share", "machine_cpu_share"]
+    print()
+    common.print_table(sorted(rows, key=lambda r: (r["segment"], VARIANTS.index(r["variant"]))), columns,
+                       floatfmt=".2f", title=f"fleet_live: {args.replicas} replicas, emulated GPU, one router")
+    if agreement is not None:
+        print()
+        common.print_table(agreement["rows"], title="the simulator's replay of this run (sim / live)",
+                           floatfmt=".2f")
+    goal_rows = goals(rows, agreement)
+    print()
+    common.print_goals(goal_rows)
+    print(f"\ntotal {common.elapsed_since(all_started)}")
+    if args.json:
+        common.write_json(args.json, "fleet_live", rows, _settings(args, segments, costs),
+                          extra={"agreement": agreement}, goals=goal_rows)
+    return rows
+
+
+def _settings(args, segments: list[Segment], costs: CostModel) -> dict:
+    return common.settings_of(args, segments=[asdict(s) for s in segments], costs=costs.describe(),
+                              token_budget=costs.token_budget)
+
+
+if __name__ == "__main__":
+    main()
