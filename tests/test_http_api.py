@@ -327,3 +327,26 @@ def test_second_app_admin_off_and_queue_bound_gives_429(ray_cluster, fleet, http
         assert limited.headers["retry-after"] == "1" and limited.json()["error"]["type"] == "rate_limit_error"
     finally:
         serve.delete("lorafleet-noadmin")
+
+
+def test_concurrent_registrations_all_land(fleet, http_base):
+    """Sixteen registrations at once: each one is in the registry afterwards (the directory's writes
+    once ran in Serve's thread pool, and two concurrent ones could each overwrite the other's)."""
+    import asyncio
+
+    names = [f"burst-{i}" for i in range(16)]
+
+    async def register_all() -> list[int]:
+        async with httpx.AsyncClient(base_url=http_base, headers=AUTH, timeout=120) as http:
+            replies = await asyncio.gather(*(http.post("/v1/adapters", json={"name": n, "source": "demo:demo-1"})
+                                             for n in names))
+            return [r.status_code for r in replies]
+
+    try:
+        assert asyncio.run(register_all()) == [201] * len(names)
+        registered = {a["name"] for a in admin_state(http_base)["data"]}
+        assert set(names) <= registered, f"lost registrations: {sorted(set(names) - registered)}"
+    finally:
+        for name in names:
+            httpx.delete(f"{http_base}/v1/adapters/{name}", headers=AUTH, timeout=30)
+    assert not set(names) & {a["name"] for a in admin_state(http_base)["data"]}
