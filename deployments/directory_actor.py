@@ -20,6 +20,7 @@ from ray import serve
 
 from pool.errors import AdapterNotFoundError
 from routing.directory import AdapterDirectory
+from routing.prefetch import planned_on
 from routing.warm_start import AdapterPlacement, rehome_targets, warm_start_plan
 
 from .metrics import DirectoryMetrics
@@ -192,7 +193,11 @@ class AdapterDirectoryActor:
             self._view_changes.bump()
         if new_replica:
             self._registry_changes.bump()  # pin placement depends on the replica set
-        return {"resync": not ok}
+        reply: dict = {"resync": not ok}
+        plan = self.directory.plan
+        if heartbeat.get("plan_version", plan.version) != plan.version:  # the worker prefetches new placements
+            reply["plan"] = {"version": plan.version, "planned": planned_on(plan, replica_id)}
+        return reply
 
     async def get_changes(self, since_version: int = -1, timeout_s: float = 0.0, plan_version: int = -1) -> dict:
         """Long poll for routers: replica states changed after ``since_version``, and the placement
@@ -212,7 +217,8 @@ class AdapterDirectoryActor:
     async def placement_plan(self) -> dict:
         """The current placement plan (``routing.plan``) and the demand it follows."""
         return {**self.directory.plan.to_dict(),
-                "demand": {n: round(self.directory.demand.get(n), 4) for n in self.directory.demand.names()}}
+                "demand": {n: round(self.directory.demand.get(n), 4) for n in self.directory.demand.names()},
+                "moves": dict(self.directory.plan_moves), "moves_total": self.directory.plan_moves_total}
 
     async def view(self) -> dict:
         return {"version": self.directory.version, "replicas": self.directory.full_view(),

@@ -133,6 +133,7 @@ class FleetAdmin:
         await self.registry.refresh()
         view = await self.directory.view.remote()
         counts = await self.directory.adapter_counts.remote()
+        plan = await self.directory.placement_plan.remote()
         replicas = view["replicas"]
         data = []
         for entry in self.registry.entries.values():
@@ -142,8 +143,10 @@ class FleetAdmin:
             desired = pin_holders(entry.name, sorted(replicas), entry.replicas) if entry.pinned else []
             data.append({**entry.to_dict(), "object": "adapter", "resident_on": resident, "pinned_on": pinned_on,
                          "pinned_desired": sorted(desired), "loads": c.get("load", 0),
-                         "evictions": c.get("evict", 0)})
+                         "evictions": c.get("evict", 0), "planned_on": plan["holders"].get(entry.name, []),
+                         "plan_moves": plan["moves"].get(entry.name, 0)})
         data.sort(key=lambda d: d["name"])
         summary = {r: {k: s[k] for k in ("slots", "free_slots", "resident", "pinned", "queue_len", "seq")}
                    for r, s in replicas.items()}
-        return {"object": "list", "data": data, "replicas": summary}
+        return {"object": "list", "data": data, "replicas": summary,
+                "plan": {"version": plan["version"], "busy": plan["busy"], "moves": plan["moves_total"]}}

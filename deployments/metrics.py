@@ -56,13 +56,47 @@ class PoolMetrics:
 
 
 class DirectoryMetrics:
+    """The directory's view and its placement plan: version, holder moves, and per adapter its planned
+    holder count (beside the workers' residency metrics: planned vs resident shows a plan not yet served)."""
+
     def __init__(self) -> None:
         self.events = Counter("lorafleet_directory_events_total", description="Pool events applied by the directory")
         self.replicas = Gauge("lorafleet_directory_replicas", description="Worker replicas the directory knows")
+        self.plan_version = Gauge("lorafleet_plan_version", description="Version of the placement plan")
+        self.plan_moves = Counter("lorafleet_plan_moves_total",
+                                  description="Holders the placement plan added to an adapter it had placed")
+        self.planned_holders = Gauge("lorafleet_plan_holders", description="Replicas the plan places an adapter on",
+                                     tag_keys=("adapter",))
         self._last_events = 0
+        self._last_moves = 0
+        self._exported: set[str] = set()
 
     def update(self, directory) -> None:
         if directory.events_applied > self._last_events:
             self.events.inc(directory.events_applied - self._last_events)
             self._last_events = directory.events_applied
         self.replicas.set(len(directory.replicas))
+        plan = directory.plan
+        self.plan_version.set(plan.version)
+        if directory.plan_moves_total > self._last_moves:
+            self.plan_moves.inc(directory.plan_moves_total - self._last_moves)
+            self._last_moves = directory.plan_moves_total
+        for name, holders in plan.holders.items():
+            self.planned_holders.set(len(holders), tags={"adapter": name})
+        for name in self._exported - set(plan.holders):
+            self.planned_holders.set(0, tags={"adapter": name})  # left the plan: no longer held anywhere
+        self._exported = set(plan.holders)
+
+
+class PrefetchMetrics:
+    """Per worker: adapters read ahead because the plan made this replica a new holder."""
+
+    def __init__(self) -> None:
+        self.prefetches = Counter("lorafleet_plan_prefetches_total",
+                                  description="Adapters a replica read ahead for the placement plan")
+        self._last = 0
+
+    def update(self, prefetched: int) -> None:
+        if prefetched > self._last:
+            self.prefetches.inc(prefetched - self._last)
+            self._last = prefetched

@@ -28,6 +28,7 @@ from routing.autoscale import DemandWindow, working_set_sketch
 from routing.directory import ReplicaState
 from routing.load_timings import LoadTimings
 from routing.pins import pin_holders
+from routing.prefetch import Prefetch, prefetches
 from routing.ray_router import check_router_kwargs
 
 from .autoscaling import LOADS_METRIC, PINNED_METRIC, SLOTS_METRIC, sketch_metric
@@ -35,7 +36,7 @@ from .content_version import SourceChangedError, check_unchanged, content_versio
 from .config import AppArgs, resolve_demo_source
 from .engine_metrics import EngineMetrics
 from .event_buffer import EventBuffer
-from .metrics import PoolMetrics
+from .metrics import PoolMetrics, PrefetchMetrics
 from .registry import RegistryEntry, RegistryFollower
 
 log = logging.getLogger("ray.serve")
@@ -82,6 +83,7 @@ class LoRAWorker:
         self.engine = await asyncio.to_thread(LoRAEngine, self.args.engine_config(self.replica_id))
         self.events = EventBuffer()
         self.metrics = PoolMetrics()
+        self.prefetch_metrics = PrefetchMetrics()
         self.engine_metrics = EngineMetrics()
         self.engine.subscribe_pool_events(self.events.append)
         self.directory = directory
@@ -98,6 +100,11 @@ class LoRAWorker:
         self.warm_start: dict = {}
         self._busy_s: Counter = Counter()  # adapter -> request-seconds since the last heartbeat
         self._loads_after_ready: Counter = Counter()  # uid -> slot loads since warm-up ended (benchmarks.elastic)
+        self._plan_version = -1          # the placement plan this replica last heard of (the directory's reply)
+        self._planned: set[str] = set()  # adapter names that plan places here
+        self._prefetch_queue: list[Prefetch] = []
+        self._prefetching: Optional[asyncio.Task] = None
+        self.prefetched = 0              # adapters read ahead for the plan (lorafleet_plan_prefetches_total)
         self.engine.subscribe_pool_events(self._count_load)
         self._left = False
         self._tasks: list[asyncio.Task] = []
@@ -321,7 +328,35 @@ class LoRAWorker:
         counters = self.engine.pool_snapshot().counters
         self.load_timings.observe_pool(counters.loads, counters.load_seconds)
         busy, self._busy_s = self._busy_s, Counter()
-        return {**self._state_extras(), "busy_s": {name: round(s, 4) for name, s in busy.items()}}
+        return {**self._state_extras(), "busy_s": {name: round(s, 4) for name, s in busy.items()},
+                "plan_version": self._plan_version}
+
+    def _plan_changed(self, plan: dict) -> None:
+        """The plan moved: read ahead what it newly places here (``routing.prefetch``), one at a time, in
+        the background; generation never waits on it."""
+        planned = [name for name in plan["planned"] if name in self.registry.entries]
+        self._plan_version = plan["version"]
+        if self.args.prefetch_planned_adapters and self.warm_start:
+            uid = lambda name: self.registry.entries[name].uid  # noqa: E731
+            todo = prefetches(planned, self._planned,
+                              resident={n for n in planned if self.engine.is_resident(uid(n))},
+                              staged={n for n in planned if self.engine.host_cached(uid(n)) or uid(n) in self.loading},
+                              free_slots=self.engine.pool_snapshot().free_slots)
+            self._prefetch_queue += todo
+            if todo and (self._prefetching is None or self._prefetching.done()):
+                self._prefetching = asyncio.get_running_loop().create_task(self._prefetch())
+        self._planned = set(planned)
+
+    async def _prefetch(self) -> None:
+        while self._prefetch_queue:
+            item = self._prefetch_queue.pop(0)
+            if item.name not in self._planned or item.name not in self.registry.entries:
+                continue  # the plan moved on, or the adapter left
+            try:
+                await self._prewarm(item.name, item.into_slot and self.engine.pool_snapshot().free_slots > 0)
+                self.prefetched += 1
+            except Exception as exc:  # best effort: a request still loads what it needs
+                log.warning("lorafleet worker %s: prefetch of %s failed (%r)", self.replica_id, item.name, exc)
 
     async def _report_loop(self) -> None:
         """Events every FLUSH_INTERVAL_S when there are any; heartbeat and metrics once a second.
@@ -339,6 +374,7 @@ class LoRAWorker:
             if heartbeat_due:
                 last_heartbeat = now
                 self.metrics.update(*self.engine.pool_metrics_sources())
+                self.prefetch_metrics.update(self.prefetched)
                 self.engine_metrics.update(self.engine.stats())
                 self.demand.observe_loads(self.engine.pool_snapshot().counters.loads, now)
             events, resync = self.events.drain()
@@ -347,6 +383,8 @@ class LoRAWorker:
                 reply = await self.directory.report.remote(self.replica_id, events, self._heartbeat(), snapshot)
                 if reply.get("resync"):
                     self.events.request_resync()
+                if "plan" in reply:
+                    self._plan_changed(reply["plan"])
             except Exception as exc:  # the directory restarts: resend the whole state when it is back
                 log.warning("lorafleet worker %s: report failed (%r); will resync", self.replica_id, exc)
                 self.events.request_resync()

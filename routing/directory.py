@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import copy
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterable, Mapping, Optional, Union
 
@@ -29,6 +29,7 @@ from pool.events import PoolEvent, PoolSnapshot
 
 from .identity import name_of
 from .plan import FleetPlanner, PlacementPlan, PlanConfig, ReplicaSlots
+from .prefetch import holder_moves
 from .router_state import DemandRates
 
 DEMAND_TAU_S = 10.0  # the fleet demand the plan follows: request-seconds per second, decayed over this
@@ -131,6 +132,8 @@ class AdapterDirectory:
         self._clock = clock
         self.demand = DemandRates(DEMAND_TAU_S, clock)  # adapter name -> request-seconds per second, fleet-wide
         self.planner = FleetPlanner(plan_config)
+        self.plan_moves: Counter = Counter()  # adapter name -> holders the plan added to it since it was placed
+        self.plan_moves_total = 0
 
     # ------------------------------------------------------------------ updates
 
@@ -191,8 +194,16 @@ class AdapterDirectory:
         ``registered``: the adapters that exist (planned before their first request)."""
         self.demand.prune()
         demand = {name: self.demand.get(name) for name in self.demand.names()}
-        return self.planner.update(self._clock(), demand, [s.slots_for_plan() for s in self.replicas.values()],
+        before = self.planner.plan
+        plan = self.planner.update(self._clock(), demand, [s.slots_for_plan() for s in self.replicas.values()],
                                    registered)
+        if plan.version != before.version:
+            for name, added in holder_moves(before, plan).items():
+                self.plan_moves[name] += added
+                self.plan_moves_total += added
+            for name in [n for n in self.plan_moves if n not in plan.holders]:
+                del self.plan_moves[name]  # per-adapter counts only for what the plan holds (bounded)
+        return plan
 
     @property
     def plan(self) -> PlacementPlan:

@@ -144,3 +144,28 @@ def test_three_routers_load_no_more_than_one(fleet, ray_cluster):
     finally:
         for client in clients:
             ray.kill(client)
+
+
+def test_a_new_placement_is_read_ahead_before_its_first_request(fleet):
+    """The plan places a newly registered adapter; its planned replica reads it into the host tier before
+    any request asks for it, the admin view shows the placement, and the first request goes there."""
+    from fleet_helpers import view_replicas
+
+    entry = fleet.register_adapter.remote("read-ahead", "demo:demo-9").result()
+    uid = entry["uid"]
+    try:
+        def planned() -> list[str]:
+            return directory().placement_plan.remote().result().get("holders", {}).get("read-ahead", [])
+
+        holders = wait_until(planned, 60, "the plan to place read-ahead")
+        staged = wait_until(lambda: [r for r in holders if uid in view_replicas()[r]["host_cached"]
+                                     or uid in view_replicas()[r]["resident"]], 60,
+                            "a planned replica to read read-ahead ahead of traffic")
+        assert staged
+        described = fleet.list_adapters.remote().result()
+        row = next(a for a in described["data"] if a["name"] == "read-ahead")
+        assert row["planned_on"] == holders and row["plan_moves"] == 0
+        assert described["plan"]["version"] >= 1 and "busy" in described["plan"]
+        assert generate(fleet, "read-ahead").replica_id in holders
+    finally:
+        fleet.unregister_adapter.remote("read-ahead").result()

@@ -15,7 +15,9 @@ from waiting import wait_until
 LINE = re.compile(r'^(ray_lorafleet_\w+)(?:\{(.*)\})?\s+([0-9.eE+-]+|NaN)$')
 # Series that appear only after an event this traffic does not cause: quota rejections need a quota
 # (checked live in tests/test_fleet_sources.py); a cancel counts only when it lands mid-generation.
-AFTER_EVENTS = {"ray_lorafleet_adapter_quota_rejections_total", "ray_lorafleet_requests_cancelled_total"}
+# Plan moves need a shift in demand that outlasts the plan's hysteresis (tests/test_routing_directory.py).
+AFTER_EVENTS = {"ray_lorafleet_adapter_quota_rejections_total", "ray_lorafleet_requests_cancelled_total",
+                "ray_lorafleet_plan_moves_total"}
 
 
 def scrape(url: str) -> dict[str, list[tuple[dict, float]]]:

@@ -149,3 +149,19 @@ def test_load_timings_are_ewmas_of_pool_counters_and_timed_reads_rounded_to_two_
     with t.disk_read():
         pass
     assert t.disk_s < 0.15
+
+
+def test_plan_moves_are_counted_per_adapter_and_forgotten_with_the_adapter():
+    """A demand that outlasts the plan's hysteresis gives the hot adapter a second holder: one move."""
+    clock = Clock()
+    d = AdapterDirectory(clock=clock)
+    for r in ("r0", "r1"):
+        d.apply_snapshot({"replica_id": r, "seq": 0, "slots": 4, "resident": {}, "pinned": []}, rows=4)
+    first = d.update_plan(registered=["a", "b"])
+    assert first.holders["a"] and d.plan_moves_total == 0  # first placements are not moves
+    for t in range(1, 40):
+        clock.now = float(t)
+        d.heartbeat("r0", busy_s={"a": 7.0})  # 'a' keeps almost two replicas' rows busy
+        plan = d.update_plan(registered=["a", "b"])
+    assert len(plan.holders["a"]) == 2
+    assert d.plan_moves == {"a": 1} and d.plan_moves_total == 1
