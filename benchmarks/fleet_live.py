@@ -179,7 +179,7 @@ class Fleet:
             self.client = None
         same_app = self.variant is not None and (variant == "multiplexed") == self.multiplexed
         if same_app:
-            self._reset_pools()
+            self._reset_pools(prefetch=variant == "affinity")
         else:
             if self.variant is not None:
                 serve.delete(APP)
@@ -191,7 +191,7 @@ class Fleet:
         ray.get(self.client.pid.remote())
         self.deploy_s = time.perf_counter() - started
 
-    def _reset_pools(self) -> None:
+    def _reset_pools(self, prefetch: bool) -> None:
         """Every replica empties its pool and host tier (asked by ``ReplicaTarget`` through an affinity
         router in this process)."""
         from ray import serve
@@ -200,7 +200,7 @@ class Fleet:
 
         handle = serve.get_deployment_handle("LoRAWorker", app_name=APP)
         for rid in self._replica_ids():
-            handle.reset_adapters.remote(ReplicaTarget(rid)).result()
+            handle.reset_adapters.remote(ReplicaTarget(rid), prefetch).result()
 
     def _replica_ids(self) -> list[str]:
         from ray import serve
