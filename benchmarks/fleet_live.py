@@ -15,14 +15,16 @@ arrivals; 256 adapters, Zipf popularity, ranks 8-64. Sent open loop from one cli
 (one router) through a ``DeploymentHandle``; TTFT is the worker's first token time less the
 send time (one machine's clock).
 
-Variants, deployed one after another on the same cluster (16 replicas each; two fleets at
-once would not fit in memory), each replaying the same segments in the same order (a
-warm-up, then each measured cell):
+Variants, one after another on one deployment of 16 replicas (starting them takes minutes
+on two cores; each client process picks its router, ``benchmarks/live/peer_routers.py``, and
+the pools and host tiers are emptied between variants), each replaying the same segments in
+the same order (a warm-up, then each measured cell):
 
 - ``affinity``: the product as it ships (``deployments.app.build_fleet``: directory, plan,
-  ``AdapterAffinityRouter``);
-- ``multiplexed``: Ray Serve's model multiplexing (``@serve.multiplexed``, LRU of ``slots``
-  models per replica; every load is a registration, a disk read);
+  read-ahead, ``AdapterAffinityRouter``);
+- ``multiplexed``: Ray Serve's model multiplexing (``@serve.multiplexed`` over the same engine,
+  LRU of ``slots`` models per replica, Serve's default router with ``multiplexed_model_id``;
+  every load is a registration, a disk read);
 - ``pow2``: the product's workers behind Serve's default router (power of two choices);
 - ``hash``: consistent (rendezvous) hashing on the adapter name, next replica when full.
 
@@ -53,7 +55,7 @@ from .traces import Trace
 APP = "fleet-live"
 VARIANTS = ("affinity", "multiplexed", "pow2", "hash")
 PEERS = ("multiplexed", "pow2", "hash")
-RUN_ORDER = ("affinity", "pow2", "hash", "multiplexed")  # the product's app first, then the baseline's
+RUN_ORDER = ("affinity", "pow2", "hash", "multiplexed")  # affinity first: it starts where a fresh deploy starts
 VOCAB_LOW = 10  # prompt token ids are drawn above the tokenizer's special tokens
 
 
@@ -124,31 +126,29 @@ def app_args(args, costs: CostModel):
                              for i in range(args.adapters)])
 
 
-def application(variant: str, args, parsed, env: dict):
-    """``multiplexed``: the baseline's app; any other: the product's, with ``VariantRouter`` (each
-    client process names its router)."""
+def application(args, parsed, env: dict):
+    """The product's app on emulated workers, with ``VariantRouter``: each client process names its router."""
     from ray.serve.config import RequestRouterConfig
 
     from deployments.app import build_fleet
 
-    from .live.emulated_workers import EmulatedLoRAWorker, EmulatedMultiplexedWorker
-    from .live.multiplexed_worker import build_multiplexed
+    from .live.emulated_workers import EmulatedLoRAWorker
 
-    options = {"num_replicas": args.replicas, "ray_actor_options": {"num_cpus": 0.01, "runtime_env": env}}
-    if variant == "multiplexed":
-        return build_multiplexed(parsed, {**options, "func_or_class": EmulatedMultiplexedWorker})
-    options["func_or_class"] = EmulatedLoRAWorker
-    options["request_router_config"] = RequestRouterConfig(
-        request_router_class="benchmarks.live.peer_routers:VariantRouter",
-        request_router_kwargs=parsed.router_kwargs(), request_routing_stats_period_s=5.0)
+    options = {"num_replicas": args.replicas, "ray_actor_options": {"num_cpus": 0.01, "runtime_env": env},
+               "func_or_class": EmulatedLoRAWorker,
+               "request_router_config": RequestRouterConfig(
+                   request_router_class="benchmarks.live.peer_routers:VariantRouter",
+                   request_router_kwargs=parsed.router_kwargs(), request_routing_stats_period_s=5.0)}
     return build_fleet(parsed, options)
 
 
 class Fleet:
-    """The deployed app for one variant at a time: its client (one router) and its load counter.
+    """The deployed app and, for one variant at a time, its client (one router).
 
-    ``affinity``, ``pow2`` and ``hash`` share one deployment (a router switch is a config update;
-    the pools are emptied in between); ``multiplexed`` is its own app."""
+    Every variant runs on one deployment of 16 replicas (starting them takes minutes on two cores):
+    the client's process picks the router (``VariantRouter``), and ``multiplexed`` requests carry a
+    ``multiplexed_model_id`` that the workers serve through Serve's multiplexing. The pools and host
+    tiers are emptied between variants."""
 
     def __init__(self, args, parsed, env: dict):
         self.args, self.parsed, self.env = args, parsed, env
@@ -160,13 +160,8 @@ class Fleet:
     def multiplexed(self) -> bool:
         return self.variant == "multiplexed"
 
-    @property
-    def deployment(self) -> str:
-        return "MultiplexedLoRAWorker" if self.multiplexed else "LoRAWorker"
-
     def switch(self, variant: str) -> None:
-        """Deploy (the first time, or between the product's app and the baseline's) or empty the pools,
-        then a new client process whose router is ``variant``'s."""
+        """Deploy (the first time) or empty the pools, then a new client process whose router is ``variant``'s."""
         import ray
         from ray import serve
 
@@ -177,17 +172,15 @@ class Fleet:
         if self.client is not None:
             ray.kill(self.client)
             self.client = None
-        same_app = self.variant is not None and (variant == "multiplexed") == self.multiplexed
-        if same_app:
-            self._reset_pools(prefetch=variant == "affinity")
+        if self.variant is None:
+            serve.run(application(self.args, self.parsed, self.env), name=APP, route_prefix=None)
         else:
-            if self.variant is not None:
-                serve.delete(APP)
-            serve.run(application(variant, self.args, self.parsed, self.env), name=APP, route_prefix=None)
+            self._reset_pools(prefetch=variant == "affinity")
         self.variant = variant
         self.loads()  # every worker up and reporting
-        env = {"env_vars": {ROUTER_ENV: variant}} if not self.multiplexed else {}
-        self.client = ReplayClient.options(runtime_env=env).remote(APP, self.deployment, self.multiplexed)
+        router = "pow2" if variant == "multiplexed" else variant  # Serve's default router does multiplexing
+        self.client = ReplayClient.options(runtime_env={"env_vars": {ROUTER_ENV: router}}).remote(
+            APP, "LoRAWorker", self.multiplexed)
         ray.get(self.client.pid.remote())
         self.deploy_s = time.perf_counter() - started
 
@@ -209,22 +202,19 @@ class Fleet:
         return directory.view.remote().result()["replicas"]
 
     def loads(self) -> int:
-        """Slot loads over the whole fleet so far."""
+        """Slot loads over the whole fleet so far: every replica's pool counter, asked through this process's
+        affinity router (it delivers a ``ReplicaTarget``)."""
         from ray import serve
 
-        from .routing_live import sample_replicas
+        from engine.request import ReplicaTarget
 
-        handle = serve.get_deployment_handle(self.deployment, app_name=APP)
-        if self.multiplexed:
-            stats = sample_replicas(lambda: handle.stats.remote(), self.args.replicas, timeout_s=120)
-            return sum(s["counters"]["loads"] for s in stats.values())
-        directory = serve.get_deployment_handle("AdapterDirectory", app_name=APP)
         deadline = time.monotonic() + 300
         while len(self._replica_ids()) < self.args.replicas:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{self.variant}: not every worker reported within 300 s")
             time.sleep(0.2)
-        return sum(c.get("load", 0) for c in directory.adapter_counts.remote().result().values())
+        handle = serve.get_deployment_handle("LoRAWorker", app_name=APP)
+        return sum(handle.emulation_stats.remote(ReplicaTarget(rid)).result()["loads"] for rid in self._replica_ids())
 
     def replay(self, requests: list) -> dict:
         import ray
@@ -257,7 +247,7 @@ def measure(fleet: Fleet, seg: Segment, requests: list, meter, started_at: float
     loads = fleet.loads() - loads_before
     ttft = [x for x in out["ttft"] if x is not None]
     e2e = [x for x in out["e2e"] if x is not None]
-    busy = lambda t: t.user + t.system + getattr(t, "irq", 0) + getattr(t, "softirq", 0)  # noqa: E731
+    busy = lambda t: sum(getattr(t, k, 0.0) for k in ("user", "nice", "system", "irq", "softirq", "steal"))  # noqa: E731
     cores = psutil.cpu_count() or 1
     fleet_cpu = sum(cpu.values())
     row = {

@@ -1,5 +1,5 @@
-"""Benchmark-only workers for ``benchmarks.fleet_live``: the product's and the multiplexing baseline's,
-each with ``EmulatedCosts`` installed, and a timed call that reports when the first token came.
+"""Benchmark-only worker for ``benchmarks.fleet_live``: the product's, with ``EmulatedCosts`` installed,
+able to play Serve's multiplexing baseline, and a timed call that reports when the first token came.
 
 The emulation's settings reach every replica at construction through one environment
 variable (``LORAFLEET_EMULATION``, JSON: the cost model's time scale and each adapter's
@@ -14,12 +14,14 @@ import os
 import time
 from typing import Optional
 
+from ray import serve
+
 from deployments.worker import LoRAWorker
 from engine.request import GenerateRequest, GenerateResult, ReplicaTarget
 
 from ..sim.costs import CostModel
 from .emulated import EmulatedCosts
-from .multiplexed_worker import MultiplexedLoRAWorker
+from .multiplexed_worker import MultiplexedAdapters
 
 ENV = "LORAFLEET_EMULATION"
 
@@ -47,17 +49,33 @@ async def _timed(stream) -> dict:
 
 
 class EmulatedLoRAWorker(LoRAWorker.func_or_class):
-    """The product's worker (deployed as ``LoRAWorker``) with the emulated forward and load costs."""
+    """The product's worker (deployed as ``LoRAWorker``) with the emulated forward and load costs.
+
+    It also plays Serve's multiplexing baseline: a request that carries a ``multiplexed_model_id``
+    goes through ``MultiplexedAdapters`` (Serve's multiplexed loader and LRU over this engine), the
+    rest through the product's path; ``fleet_live`` runs one after the other, pools emptied between."""
 
     async def __init__(self, args: dict, directory=None):
         await super().__init__(args, directory)
         self.emulation = _install(self.engine)
+        self.mux = MultiplexedAdapters(self.engine, self.args, self.args.max_loras_per_batch)
+        self.get_adapter = self.mux.get_adapter  # where Serve looks for the multiplexed function
 
     async def generate_timed(self, request: GenerateRequest) -> dict:
+        if serve.get_multiplexed_model_id():
+            await self.mux.ensure(request)
+            out = await _timed(self.engine.generate_stream(request, with_result=True))
+            out["result"].replica_id = self.replica_id
+            return out
         return await _timed(self.generate_stream(request))
 
-    def emulation_stats(self) -> dict:
-        return {"replica_id": self.replica_id, **self.emulation.stats(), "loads": self.engine.pool_snapshot().counters.loads}
+    def emulation_stats(self, target: Optional[ReplicaTarget] = None) -> dict:
+        """The emulation's charged times, the multiplexer's counts and the pool's slot loads (its own counter:
+        the directory forgets the counts of a uid unloaded everywhere, which multiplexing does all the time)."""
+        if target is not None and target.target_replica != self.replica_id:
+            raise RuntimeError(f"stats for {target.target_replica} reached replica {self.replica_id}")
+        return {"replica_id": self.replica_id, **self.emulation.stats(), **self.mux.counts(),
+                "loads": self.engine.pool_snapshot().counters.loads}
 
     def reset_adapters(self, target: Optional[ReplicaTarget] = None, prefetch: bool = False) -> dict:
         """Drop every adapter from the slots and the host tier (the next variant starts as cold as the
@@ -70,17 +88,3 @@ class EmulatedLoRAWorker(LoRAWorker.func_or_class):
         for uid in uids:
             self.engine.unregister_uid(uid, 0.0)
         return {"replica_id": self.replica_id, "dropped": len(uids)}
-
-
-class EmulatedMultiplexedWorker(MultiplexedLoRAWorker.func_or_class):
-    """Serve's multiplexing baseline (deployed as ``MultiplexedLoRAWorker``) with the same emulation."""
-
-    def __init__(self, args: dict, slots=None):
-        super().__init__(args, slots)
-        self.emulation = _install(self.engine)
-
-    async def generate_timed(self, request: GenerateRequest) -> dict:
-        return await _timed(self.generate_stream(request))
-
-    def emulation_stats(self) -> dict:
-        return {"replica_id": self.replica_id, **self.emulation.stats(), "loads": self.engine.pool_snapshot().counters.loads}

@@ -34,7 +34,7 @@ from pool.errors import AdapterNotFoundError
 class _LoadedAdapter:
     """What the multiplexed loader returns; Serve calls ``__del__`` when its LRU drops it."""
 
-    def __init__(self, owner: "MultiplexedLoRAWorker", name: str):
+    def __init__(self, owner: "MultiplexedAdapters", name: str):
         self.owner = owner
         self.name = name
         self.unloaded = False
@@ -44,7 +44,60 @@ class _LoadedAdapter:
         # the flag keeps a later garbage collection from unregistering a newer registration
         if not self.unloaded:
             self.unloaded = True
-            self.owner._unload(self.name)
+            self.owner.unload(self.name)
+
+
+class MultiplexedAdapters:
+    """Serve's multiplexing over one engine: a load registers the adapter (reads it), Serve's LRU of
+    ``slots`` models unregisters the oldest (after its requests drain). Used by the baseline worker
+    and, in ``benchmarks.fleet_live``, by the product's worker when it plays the baseline."""
+
+    def __init__(self, engine: LoRAEngine, args: AppArgs, slots: int):
+        self.engine, self.args, self.slots = engine, args, slots
+        self.sources = {spec.name: (spec.source, spec.revision) for spec in args.startup_adapters()}
+        self.loads = 0
+        self.unloads = 0
+        self.load_seconds = 0.0
+        self.unload_seconds = 0.0
+
+        async def load_adapter(name: str) -> _LoadedAdapter:
+            return await self.load(name)
+
+        # wired per instance so the slot count can follow the app args (Serve detects it at runtime)
+        self.get_adapter = serve.multiplexed(max_num_models_per_replica=slots)(load_adapter)
+
+    async def load(self, name: str) -> _LoadedAdapter:
+        if name not in self.sources:
+            raise AdapterNotFoundError(f"adapter {name!r} is not registered")
+        source, revision = self.sources[name]
+        started = time.perf_counter()
+        path = await asyncio.to_thread(resolve_demo_source, source)
+        await asyncio.to_thread(self.engine.register_adapter, name, path, revision=revision)
+        self.loads += 1
+        self.load_seconds += time.perf_counter() - started
+        return _LoadedAdapter(self, name)
+
+    def unload(self, name: str) -> None:
+        """Blocking (Serve calls it off the event loop): drain the adapter's requests, then drop it."""
+        started = time.perf_counter()
+        try:
+            self.engine.unregister_adapter(name, self.args.drain_timeout_s)
+        except AdapterNotFoundError:
+            pass
+        self.unloads += 1
+        self.unload_seconds += time.perf_counter() - started
+
+    async def ensure(self, request: GenerateRequest) -> None:
+        name = serve.get_multiplexed_model_id() or request.adapter
+        if name is not None:
+            if name != request.adapter:
+                raise ValueError(f"multiplexed_model_id {name!r} differs from the request's adapter "
+                                 f"{request.adapter!r}")
+            await self.get_adapter(name)  # no await point between this and submit: no unload can intervene
+
+    def counts(self) -> dict:
+        return {"mux_loads": self.loads, "mux_unloads": self.unloads, "mux_load_seconds": self.load_seconds,
+                "mux_unload_seconds": self.unload_seconds}
 
 
 @serve.deployment(
@@ -63,57 +116,18 @@ class MultiplexedLoRAWorker:
             cpus = ray.get_runtime_context().get_assigned_resources().get("CPU")
             torch.set_num_threads(max(1, int(cpus)) if cpus else (os.cpu_count() or 1))
         self.engine = LoRAEngine(self.args.engine_config(self.replica_id))
-        self.sources = {spec.name: (spec.source, spec.revision) for spec in self.args.startup_adapters()}
-        self.slots = int(slots or self.args.max_loras_per_batch)
-        self.mux_loads = 0
-        self.mux_unloads = 0
-        self.mux_load_seconds = 0.0
-        self.mux_unload_seconds = 0.0
-
-        async def load_adapter(name: str) -> _LoadedAdapter:
-            return await self._load(name)
-
-        # wired per instance so the slot count can follow the app args (Serve detects it at runtime)
-        self.get_adapter = serve.multiplexed(max_num_models_per_replica=self.slots)(load_adapter)
-
-    async def _load(self, name: str) -> _LoadedAdapter:
-        if name not in self.sources:
-            raise AdapterNotFoundError(f"adapter {name!r} is not registered")
-        source, revision = self.sources[name]
-        started = time.perf_counter()
-        path = await asyncio.to_thread(resolve_demo_source, source)
-        await asyncio.to_thread(self.engine.register_adapter, name, path, revision=revision)
-        self.mux_loads += 1
-        self.mux_load_seconds += time.perf_counter() - started
-        return _LoadedAdapter(self, name)
-
-    def _unload(self, name: str) -> None:
-        """Blocking (Serve calls it off the event loop): drain the adapter's requests, then drop it."""
-        started = time.perf_counter()
-        try:
-            self.engine.unregister_adapter(name, self.args.drain_timeout_s)
-        except AdapterNotFoundError:
-            pass
-        self.mux_unloads += 1
-        self.mux_unload_seconds += time.perf_counter() - started
-
-    async def _ensure_model(self, request: GenerateRequest) -> None:
-        name = serve.get_multiplexed_model_id() or request.adapter
-        if name is not None:
-            if name != request.adapter:
-                raise ValueError(f"multiplexed_model_id {name!r} differs from the request's adapter "
-                                 f"{request.adapter!r}")
-            await self.get_adapter(name)  # no await point between this and submit: no unload can intervene
+        self.mux = MultiplexedAdapters(self.engine, self.args, int(slots or self.args.max_loras_per_batch))
+        self.get_adapter = self.mux.get_adapter  # where Serve looks for the multiplexed function
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
-        await self._ensure_model(request)
+        await self.mux.ensure(request)
         result = await self.engine.generate(request)
         result.replica_id = self.replica_id
         return result
 
     async def generate_stream(self, request: GenerateRequest):
         """As ``LoRAWorker.generate_stream``: deltas, then the result (TTFT measurements)."""
-        await self._ensure_model(request)
+        await self.mux.ensure(request)
         async for item in self.engine.generate_stream(request, with_result=True):
             if isinstance(item, GenerateResult):
                 item.replica_id = self.replica_id
@@ -122,9 +136,8 @@ class MultiplexedLoRAWorker:
     def stats(self) -> dict:
         """This replica's pool snapshot plus the multiplexer's own counts."""
         snap = self.engine.pool_snapshot().to_dict()
-        snap.update(replica_id=self.replica_id, mux_loads=self.mux_loads, mux_unloads=self.mux_unloads,
-                    mux_load_seconds=self.mux_load_seconds, mux_unload_seconds=self.mux_unload_seconds,
-                    registered=sorted(self.engine.stats()["adapters"]))
+        snap.update(replica_id=self.replica_id, registered=sorted(self.engine.stats()["adapters"]),
+                    **self.mux.counts())
         return snap
 
     def __del__(self):
