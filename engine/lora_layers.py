@@ -99,6 +99,17 @@ def add_segment_loop(x: torch.Tensor, a_buffer: torch.Tensor, bt_buffer: torch.T
         out[seg.start:seg.end].addmm_(shrink, bt_buffer[seg.slot, : seg.rank], alpha=seg.scaling)
 
 
+FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # projections of one input
+
+
+def kernel_groups(targeted) -> list[tuple[str, ...]]:
+    """The projection groups the kernels run as one launch pair: q/k/v and gate/up when all are targeted (the
+    runner fuses them, ``fused_projections``), every other targeted module alone."""
+    groups = [g for g in FUSED_GROUPS if all(m in targeted for m in g)]
+    fused = {m for g in groups for m in g}
+    return groups + [(m,) for m in targeted if m not in fused]
+
+
 def fused_projections(modules: list[nn.Module], x: torch.Tensor) -> list[torch.Tensor]:
     """``modules`` (q/k/v, or gate/up) applied to one input, their LoRA in one kernel pair when the step runs the
     kernels (``LoRABatchContext.plan``); otherwise each module as it is."""
