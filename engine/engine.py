@@ -243,6 +243,8 @@ class LoRAEngine(EngineReadAPI):
         error = EngineShutdownError("the engine shut down")
         for seq in list(self.scheduler.waiting) + list(self.scheduler.running):
             seq.sink(error)
+        if not self._thread.is_alive():
+            self.cache.release()  # the KV cache is most of a replica's GPU memory: free it now, not at the next GC
 
     # ------------------------------------------------------------------ the loop
 
