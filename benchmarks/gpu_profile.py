@@ -18,7 +18,8 @@ import torch
 from engine.engine import LoRAEngine
 from engine.lora_layers import LoRASegment, add_segment_loop, kernel_groups
 from engine.lora_plan import SegmentPlan
-from engine.model_runner import SeqInput
+
+from .throughput.roofline import decode_inputs
 
 
 def _gpu_us(fn, repeats: int) -> float:
@@ -73,28 +74,14 @@ def profile_decode_step(engine: LoRAEngine, adapter_names: Sequence[str], batch:
     """Launches, host µs and GPU µs of one decode step (the engine idle: its step lock is held)."""
     from torch.profiler import ProfilerActivity, profile
 
-    gen = torch.Generator().manual_seed(0)
-    vocab = engine.model.config.vocab_size
-    alloc = engine.cache.allocator
-    with engine._step_lock:
-        uids = [engine.current_uid(adapter_names[i % len(adapter_names)]) for i in range(batch)]
-        slots = engine.pool.prepare_lora_batch(set(uids))
-        tables = [[alloc.allocate() for _ in range(alloc.blocks_for(context + 1))] for _ in range(batch)]
-        try:
-            prompts = torch.randint(3, vocab, (batch, context), generator=gen).tolist()
-            engine.runner.forward([SeqInput(t, p, 0, slots[u]) for t, p, u in zip(tables, prompts, uids)])
-            seqs = [SeqInput(t, [5], context, slots[u]) for t, u in zip(tables, uids)]
-            for _ in range(2):  # warm: allocator and any lazy state
-                engine.runner.forward(seqs).argmax(dim=-1).tolist()
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                started = time.perf_counter()
-                engine.runner.forward(seqs).argmax(dim=-1).tolist()
-                host_us = (time.perf_counter() - started) * 1e6
-        finally:
-            for t in tables:
-                alloc.free(t)
-            engine.pool.release_batch()
+    with decode_inputs(engine, adapter_names, batch, context) as seqs:
+        for _ in range(2):  # warm: allocator and any lazy state
+            engine.runner.forward(seqs).argmax(dim=-1).tolist()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            started = time.perf_counter()
+            engine.runner.forward(seqs).argmax(dim=-1).tolist()
+            host_us = (time.perf_counter() - started) * 1e6
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     by_name: dict[str, float] = {}
     for e in kernels:
