@@ -41,7 +41,7 @@ class AdapterSpec(BaseModel):
     _name = field_validator("name")(classmethod(lambda cls, v: validate_adapter_name(v)))
 
 
-Dtype = Literal["float32", "bfloat16", "float16"]
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]  # auto: bf16 on CUDA, fp32 on the CPU
 Device = Literal["auto", "cpu", "cuda"]
 EvictionPolicyName = Literal["lru", "fifo", "sieve"]  # pool.eviction.EVICTION_POLICIES (a test keeps them equal)
 
@@ -54,7 +54,7 @@ class AppArgs(BaseModel):
     base_model: str = "demo"
     served_model_name: Optional[str] = None  # the base model's id in /v1/models and responses (None: its name)
     revision: Optional[str] = None
-    dtype: Dtype = "float32"
+    dtype: Dtype = "auto"
     device: Optional[Device] = None  # None or auto: cuda when torch.cuda.is_available()
     max_loras_per_batch: int = Field(default=4, ge=1)
     max_lora_rank: int = Field(default=16, ge=1)
