@@ -99,7 +99,7 @@ class LoRAFleetIngress:
         return {"pid": os.getpid(), "registry_version": self.registry.version, "inflight": self.limiter.inflight,
                 "quota_peak_inflight": dict(self.gate.quotas.state.peak_inflight), "retries": self.limiter.retries,
                 "quota_holder": self.gate.quotas.holder, "quota_inflight": dict(self.gate.quotas.inflight),
-                "quota_round_trips": self.gate.quotas.state.round_trips,
+                "quota_round_trips": self.gate.quotas.state.round_trips, "quota_local": self.gate.quotas.state.local,
                 "repicks": self.front.repicks,
                 "resolver_lookups": resolver.lookups if resolver else 0,
                 "resolver_refused": resolver.limiter.refused if resolver and resolver.limiter else 0,
