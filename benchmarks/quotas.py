@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import httpx
 
 from benchmarks import common
-from benchmarks.rollout import admin, elapsed_since, start_local_serve
+from benchmarks.rollout import admin, start_local_serve
 
 APP = "quotas-bench"
 INGRESS_REPLICAS = 3
@@ -217,7 +217,7 @@ def main(argv=None) -> dict:
     ]
     print()
     common.print_goals(goals)
-    print(f"\ntotal {elapsed_since(all_started)}")
+    print(f"\ntotal {common.elapsed_since(all_started)}")
     if args.json:
         common.write_json(args.json, "quotas", rows, common.settings_of(args, seconds=seconds, quotas=list(QUOTAS),
                                                                         ingress_replicas=INGRESS_REPLICAS), goals=goals)
