@@ -5,22 +5,28 @@ no network, pytest optional): what a developer with a lent GPU runs, in under 8 
    image: carry its wheels, ``pip download pydantic -d wheels`` here, about 2.5 MB, and pass ``--wheels wheels``);
 2. the CUDA tests (pytest, when installed): attention (torch and FlashInfer), the engine in bf16, PEFT equality
    with the engine on the GPU (fp32), the Triton LoRA kernels compiled, chunked prefill;
-3. PEFT equality in bf16: the demo model and adapters, ours against PEFT on the same GPU, every prompt's logits
-   (tolerance ``BF16_LOGIT_TOL`` on the largest absolute difference) and greedy tokens;
+3. PEFT equality in bf16: the demo model and adapters, ours against PEFT on the same GPU: every prompt's logits
+   from one forward that mixes all adapters (so the Triton kernels run; tolerance ``BF16_LOGIT_TOL`` on the
+   largest absolute difference) and greedy tokens of requests served concurrently; the engine's fast paths;
 4. Llama-3-8B's shapes (random bf16 weights, 8 adapters of rank 16): output tok/s for 64 mixed-adapter requests,
-   and the decode step at batch 32 and 64 against its measured GEMM floor (``throughput.roofline``);
+   the decode step at batch 32 and 64 against its measured GEMM floor (``throughput.roofline``), the LoRA
+   kernels alone against the torch loop, and one profiled batch-64 decode step (launches, host µs, GPU µs;
+   ``benchmarks.gpu_profile``);
 5. 32 prompts of 7.5k tokens at serve_config.gpu.yaml's settings (max_batch_size 32, max_model_len 8192): all
    finish, no out-of-memory (the token budget and chunked prefill bound every step).
 
-Every figure is a ``gpu_*`` goal in the JSON. Without CUDA it says so and exits 0 with every goal unjudged.
+Each engine is shut down and its memory handed back before the next starts. Every figure is a ``gpu_*`` goal in
+the JSON. Without CUDA it says so and exits 0 with every goal unjudged.
 
     python3 -m benchmarks.gpu_check [--json PATH] [--wheels DIR] [--skip-tests]
 """
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -36,6 +42,7 @@ CUDA_TESTS = ("tests/test_kv_cache_cuda.py", "tests/test_kv_cache.py", "tests/te
               "tests/test_engine_peft.py", "tests/test_lora_triton.py", "tests/test_chunked_prefill.py")
 BF16_LOGIT_TOL = 0.1        # bf16 keeps 8 mantissa bits: the demo's logits (|x| < 10) differ by a few 1e-2
 DECODE_FLOOR_RATIO = 1.5    # decode step over its GEMMs at batch 64
+DEMO_KV_BYTES = 64 << 20    # the demo engine's KV cache: small, so the 8B engine after it sizes from a free card
 LONG_PROMPTS, LONG_PROMPT_TOKENS = 32, 7500
 GOAL_NAMES = ("gpu_cuda_tests_failed", "gpu_peft_bf16_max_logit_diff", "gpu_peft_bf16_greedy_equal",
               "gpu_decode_vs_gemm_floor_b64", "gpu_no_oom_32x7500")
@@ -72,7 +79,10 @@ def run_cuda_tests(extra_path: Optional[Path]) -> dict[str, Any]:
 
 
 def peft_bf16_equality(device) -> dict[str, Any]:
-    """Ours vs PEFT in bf16 on the same GPU: largest logit difference over every prompt, and greedy tokens."""
+    """Ours vs PEFT in bf16 on the same GPU: the largest logit difference over every prompt of a forward mixing
+    every adapter (the Triton kernels' case), and greedy tokens of requests served concurrently."""
+    import asyncio
+
     import peft
     import torch
     from transformers import AutoModelForCausalLM
@@ -84,50 +94,74 @@ def peft_bf16_equality(device) -> dict[str, Any]:
 
     assets = ensure_demo_assets(Path(tempfile.mkdtemp(prefix="gpu-check-demo-")), num_adapters=4)
     engine = LoRAEngine(AppArgs(base_model=str(assets.model_dir), dtype="bfloat16", max_loras_per_batch=5,
-                                max_lora_rank=16).engine_config("gpu-check"))
+                                max_lora_rank=16, kv_cache_bytes=DEMO_KV_BYTES).engine_config("gpu-check"))
     names = list(assets.adapters)
+    for name in names:
+        engine.register_adapter(name, str(assets.adapters[name]))
     ref = AutoModelForCausalLM.from_pretrained(assets.model_dir, torch_dtype=torch.bfloat16).to(device).eval()
     model = peft.PeftModel.from_pretrained(ref, assets.adapters[names[0]], adapter_name=names[0])
     for name in names[1:]:
         model.load_adapter(assets.adapters[name], adapter_name=name)
     prompts = [[1, *range(40, 60)], [1, *range(70, 79)], [1, 100, 101, 102]]
-    worst, equal, total = 0.0, 0, 0
+    batch = [(name, ids) for name in [None, *names] for ids in prompts]
+
+    def peft_logits(name, ids):
+        x = torch.tensor([ids], device=device)
+        with torch.no_grad():
+            if name is None:
+                with model.disable_adapter():
+                    return model(x).logits[0]
+            model.set_adapter(name)
+            return model(x).logits[0]
+
+    async def served():
+        return await asyncio.gather(*(engine.generate(GenerateRequest(adapter=n, token_ids=ids, max_tokens=8))
+                                      for n, ids in batch))
+
+    worst, equal = 0.0, 0
     try:
-        for name in [None, *names]:
-            for ids in prompts:
-                result = engine.generate_blocking(GenerateRequest(adapter=name, token_ids=ids, max_tokens=8))
-                x = torch.tensor([ids + result.token_ids[:-1]], device=device)
-                with torch.no_grad():
-                    if name is None:
-                        with model.disable_adapter():
-                            logits = model(x).logits[0]
-                    else:
-                        model.set_adapter(name)
-                        logits = model(x).logits[0]
-                ref_tokens = logits[len(ids) - 1:].argmax(-1).tolist()  # PEFT's greedy pick after each of our tokens
-                equal += ref_tokens == result.token_ids
-                total += 1
-                ours = engine_logits(engine, name, ids)
-                worst = max(worst, (ours.float() - logits[: len(ids)].float()).abs().max().item())
+        ours = engine_batch_logits(engine, batch)  # one forward, every adapter: segments > 1, the kernels run
+        for (name, ids), logits in zip(batch, ours):
+            worst = max(worst, (logits.float() - peft_logits(name, ids).float()).abs().max().item())
+        for (name, ids), result in zip(batch, asyncio.run(served())):
+            ref_tokens = peft_logits(name, ids + result.token_ids[:-1])[len(ids) - 1:].argmax(-1).tolist()
+            equal += ref_tokens == result.token_ids  # PEFT's greedy pick after each of our tokens
+        paths = engine.stats()["fast_paths"]
     finally:
-        engine.shutdown()
-    return {"max_logit_diff": worst, "greedy_equal": equal, "requests": total}
+        engine.shutdown()  # frees its KV cache; run() frees the rest once this frame is gone
+    return {"max_logit_diff": worst, "greedy_equal": equal, "requests": len(batch), "fast_paths": paths}
 
 
-def engine_logits(engine, adapter: Optional[str], ids: list[int]):
-    """Every prompt token's logits from one engine forward (the engine idle, its step lock held)."""
+def free_device_memory() -> None:
+    """Hand every freed block back to the device, so the next engine sizes its KV cache from a free card."""
+    import torch
+
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def engine_batch_logits(engine, batch: list[tuple[Optional[str], list[int]]]) -> list:
+    """Every prompt token's logits for each (adapter, prompt) of ``batch``, from one engine forward (the engine
+    idle, its step lock held)."""
     from engine.model_runner import SeqInput
 
     alloc = engine.cache.allocator
     with engine._step_lock:
-        uid = engine.registry.resolve(adapter)
-        slots = engine.pool.prepare_lora_batch({uid})
-        table = [alloc.allocate() for _ in range(alloc.blocks_for(len(ids)))]
+        uids = [engine.registry.resolve(name) for name, _ in batch]
+        slots = engine.pool.prepare_lora_batch(set(uids))
+        tables = [[alloc.allocate() for _ in range(alloc.blocks_for(len(ids)))] for _, ids in batch]
         try:
-            return engine.runner.forward([SeqInput(table, ids, 0, slots[uid])], all_logits=True)
+            flat = engine.runner.forward([SeqInput(t, ids, 0, slots[u]) for t, (_, ids), u in zip(tables, batch, uids)],
+                                         all_logits=True)
         finally:
-            alloc.free(table)
+            for t in tables:
+                alloc.free(t)
             engine.pool.release_batch()
+    out, at = [], 0
+    for _, ids in batch:
+        out.append(flat[at:at + len(ids)])
+        at += len(ids)
+    return out
 
 
 def llama3_8b_checks(device, quick: bool) -> dict[str, Any]:
@@ -138,6 +172,7 @@ def llama3_8b_checks(device, quick: bool) -> dict[str, Any]:
     from pool.shapes import LoRAModelShape
 
     from .engine_throughput import LLAMA3_8B, build_model, make_engine
+    from .gpu_profile import profile_decode_step, time_lora_kernels
     from .lora_compute import write_adapters
     from .throughput.roofline import base_weights, measure_decode
     from .throughput.systems import run_engine
@@ -150,7 +185,8 @@ def llama3_8b_checks(device, quick: bool) -> dict[str, Any]:
     # serve_config.gpu.yaml's window and batch; the KV cache sized by the engine from the free memory
     engine, names = make_engine(model, tokenizer, folders, dtype="bfloat16", kv_bytes=None, block_size=16,
                                 max_tokens=64, max_model_len=8192, max_batch_size=64)
-    out: dict[str, Any] = {"kv_blocks": engine.cache.num_blocks, "token_budget": engine.scheduler.max_num_batched_tokens}
+    out: dict[str, Any] = {"kv_blocks": engine.cache.num_blocks, "token_budget": engine.scheduler.max_num_batched_tokens,
+                           "fast_paths": engine.stats()["fast_paths"]}
     try:
         requests = make_workload(64, (16, 512), (16, 64), seed=0)
         run_engine(engine, requests[:4], names)  # warm-up (kernels compiled, slots loaded)
@@ -159,6 +195,8 @@ def llama3_8b_checks(device, quick: bool) -> dict[str, Any]:
         weights = base_weights(engine.model)
         for batch in (32, 64):
             out[f"decode_b{batch}"] = measure_decode(engine, weights, names, batch, 512, repeats=5 if quick else 10)
+        out["lora_kernels"] = time_lora_kernels(engine, batch=64, adapters=len(names))
+        out["profile_b64"] = profile_decode_step(engine, names, batch=64, context=512)
         engine.scheduler.max_batch_size = 32
         rng = torch.Generator().manual_seed(1)
         longs = [WorkRequest(i, [1] + torch.randint(3, len(tokenizer), (LONG_PROMPT_TOKENS - 1,),
@@ -195,7 +233,9 @@ def run(args) -> int:
     started = time.perf_counter()
     missing = missing_modules(REQUIRED)
     print(f"gpu_check: python {sys.version.split()[0]}; missing required: {missing or 'none'}; "
-          f"missing optional: {missing_modules(OPTIONAL) or 'none'}")
+          f"missing optional: {missing_modules(OPTIONAL) or 'none'}; which gcc: {shutil.which('gcc')}; "
+          f"which nvcc: {shutil.which('nvcc')} (Triton needs a host compiler; FlashInfer compiles with nvcc unless "
+          f"its precompiled kernels are installed)")
     extra = install_wheels(Path(args.wheels), missing) if missing and args.wheels else None
     if missing and extra is None:
         print(f"gpu_check: carry wheels for {missing} (pip download {' '.join(missing)} -d wheels) and pass "
@@ -216,13 +256,22 @@ def run(args) -> int:
             tests = run_cuda_tests(extra)
             print(f"CUDA tests: {tests['summary']}")
         peft_eq = peft_bf16_equality(device)
-        print(f"PEFT bf16: max |logit diff| {peft_eq['max_logit_diff']:.4g} (tolerance {BF16_LOGIT_TOL}), greedy "
-              f"tokens equal {peft_eq['greedy_equal']}/{peft_eq['requests']}")
+        free_device_memory()  # the demo engine and PEFT model, before the 8B engine sizes its cache
+        print(f"PEFT bf16, mixed adapters: max |logit diff| {peft_eq['max_logit_diff']:.4g} (tolerance "
+              f"{BF16_LOGIT_TOL}), greedy tokens equal {peft_eq['greedy_equal']}/{peft_eq['requests']}; fast paths "
+              f"{ {k: v['used'] for k, v in peft_eq['fast_paths'].items()} }")
         big = llama3_8b_checks(device, args.quick)
+        free_device_memory()
         common.print_table([{"system": "ours, Llama-3-8B shapes, 64 mixed requests", **big["mixed_64"]}],
                            ["system", "tok_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms"])
         common.print_table([big["decode_b32"], big["decode_b64"]],
                            ["batch", "context", "step_ms", "gemm_floor_ms", "step_over_gemms"])
+        common.print_table(big["lora_kernels"], ["group", "batch", "adapters", "splits", "shrink_us", "expand_us",
+                                                 "torch_loop_us"])
+        profiled = big["profile_b64"]
+        print(f"profiled decode step, batch 64: {profiled['launches']} kernel launches, host "
+              f"{profiled['host_us']:.0f} µs, GPU {profiled['gpu_us']:.0f} µs; top kernels {profiled['top_kernels_us']}")
+        print(f"8B engine fast paths: {big['fast_paths']}")
         print(f"{LONG_PROMPTS} prompts of {LONG_PROMPT_TOKENS} tokens: {big['long_prompts']}")
     goals = judge(tests, peft_eq, big)
     common.print_goals(goals)

@@ -8,20 +8,25 @@ in the ``x-lorafleet-adapter-version`` header.
 
 from __future__ import annotations
 
+import asyncio
+import inspect
+import logging
 import random
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Awaitable, Callable, Optional
 
 from engine.errors import AdapterExistsError
 from pool.errors import AdapterNotFoundError
 
 from .config import NAME_RE
-from .quotas import AdapterQuotas, serve_placement
+from .quotas import GIVE_BACK_WAIT_S, AdapterQuotas, HandleCalls
+from .replica_share import serve_placement
 from .resolvers import AdapterResolver, LookupLimiter, shown
 from .traffic_split import families, label_of, pick, quota_of
 from .versions import VersionedFleetAdmin
 
 VERSION_HEADER = "x-lorafleet-adapter-version"
+log = logging.getLogger("ray.serve")
 
 
 @dataclass
@@ -30,14 +35,28 @@ class Admission:
     version: Optional[str] = None              # its version label
     requested: Optional[str] = None            # the name the client asked for
     _releases: list = field(default_factory=list)   # quota place, ingress place: freed once, by release()
+    _returning: list = field(default_factory=list)  # quota leases on their way back to their owner
 
-    def also_release(self, release: Callable[[], None]) -> None:
+    def also_release(self, release: Callable[[], Optional[Awaitable[None]]]) -> None:
         self._releases.append(release)
 
     def release(self) -> None:
         """Give back every place this request holds (idempotent); call once the request ends."""
         while self._releases:
-            self._releases.pop()()
+            returning = self._releases.pop()()
+            if inspect.isawaitable(returning):
+                self._returning.append(returning)
+
+    async def finish(self) -> None:
+        """``release``, then wait (bounded) until quota leases are back with their owner: a request that
+        ended must not hold its place while the client's next request, on any ingress replica, asks for it."""
+        self.release()
+        returning, self._returning = self._returning, []
+        if returning:
+            try:
+                await asyncio.wait_for(asyncio.gather(*returning, return_exceptions=True), GIVE_BACK_WAIT_S)
+            except asyncio.TimeoutError:
+                log.warning("lorafleet quotas: a lease was not back within %ss", GIVE_BACK_WAIT_S)
 
     def headers(self) -> dict[str, str]:
         return {VERSION_HEADER: self.version} if self.version else {}
@@ -70,7 +89,7 @@ class AdapterGate:
         if not family:
             family = await self._find(name)
         admission = Admission(requested=name)
-        admission.also_release(self.quotas.acquire(name, *quota_of(family)))
+        admission.also_release(await self.quotas.acquire(name, *quota_of(family)))
         try:
             entry = pick(family, self.rng)
         except BaseException:
@@ -115,8 +134,9 @@ class AdapterGate:
         return family
 
 
-def build_gate(admin: VersionedFleetAdmin, args) -> AdapterGate:
-    """The gate an ingress replica runs, from its app args (resolvers only when configured)."""
+def build_gate(admin: VersionedFleetAdmin, args, quota_leases) -> AdapterGate:
+    """The gate an ingress replica runs, from its app args (resolvers only when configured) and the handle
+    of the application's ``QuotaLeases`` (the owner of every quota count)."""
     resolver = None
     if args.adapter_resolvers:
         limiter = LookupLimiter(args.adapter_resolver_lookups_per_s, args.adapter_resolver_max_concurrent_lookups,
@@ -127,4 +147,5 @@ def build_gate(admin: VersionedFleetAdmin, args) -> AdapterGate:
 
         resolver = AdapterResolver(args.adapter_resolvers, register, args.adapter_resolver_negative_ttl_s,
                                    limiter=limiter)
-    return AdapterGate(admin, AdapterQuotas(serve_placement), resolver)
+    quotas = AdapterQuotas(HandleCalls(quota_leases), heartbeat_s=args.quota_lease_heartbeat_s)
+    return AdapterGate(admin, quotas, resolver)

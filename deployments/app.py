@@ -16,6 +16,7 @@ from routing.ray_router import check_router_kwargs
 from .config import AppArgs
 from .directory_actor import AdapterDirectoryActor
 from .ingress import LoRAFleetIngress
+from .quota_lease_actor import QuotaLeaseActor
 from .worker import LoRAWorker
 
 DRAIN_MARGIN_S = 10.0  # beyond request_timeout_s, for a replica's goodbye and the drain itself
@@ -47,4 +48,6 @@ def build_fleet(parsed: AppArgs, worker_options: Optional[dict] = None,
     options.update(worker_options or {})
     check_router_kwargs(options["request_router_config"].request_router_kwargs)
     worker = LoRAWorker.options(**options).bind(plain, directory)
-    return LoRAFleetIngress.options(**{**drain, **(ingress_options or {})}).bind(plain, worker, directory)
+    quota_leases = QuotaLeaseActor.bind(parsed.quota_lease_batch, parsed.quota_lease_ttl_s, parsed.quota_recall_wait_s)
+    return LoRAFleetIngress.options(**{**drain, **(ingress_options or {})}).bind(plain, worker, directory,
+                                                                                  quota_leases)

@@ -41,7 +41,7 @@ class AdapterSpec(BaseModel):
     _name = field_validator("name")(classmethod(lambda cls, v: validate_adapter_name(v)))
 
 
-Dtype = Literal["float32", "bfloat16", "float16"]
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]  # auto: bf16 on CUDA, fp32 on the CPU
 Device = Literal["auto", "cpu", "cuda"]
 EvictionPolicyName = Literal["lru", "fifo", "sieve"]  # pool.eviction.EVICTION_POLICIES (a test keeps them equal)
 
@@ -54,7 +54,7 @@ class AppArgs(BaseModel):
     base_model: str = "demo"
     served_model_name: Optional[str] = None  # the base model's id in /v1/models and responses (None: its name)
     revision: Optional[str] = None
-    dtype: Dtype = "float32"
+    dtype: Dtype = "auto"
     device: Optional[Device] = None  # None or auto: cuda when torch.cuda.is_available()
     max_loras_per_batch: int = Field(default=4, ge=1)
     max_lora_rank: int = Field(default=16, ge=1)
@@ -88,6 +88,10 @@ class AppArgs(BaseModel):
     adapter_resolver_entry_ttl_s: Optional[float] = Field(default=3600.0, gt=0)  # resolver-made entries (None: kept)
     _prefixes = field_validator("object_store_prefixes")(classmethod(lambda cls, v: validate_object_store_prefixes(v)))
     _resolvers = field_validator("adapter_resolvers")(classmethod(lambda cls, v: validate_resolver_roots(v)))
+    quota_lease_batch: int = Field(default=8, ge=1)  # most quota leases one grant hands an ingress (far from a limit)
+    quota_lease_heartbeat_s: float = Field(default=0.5, gt=0)  # an ingress holding leases reports this often
+    quota_lease_ttl_s: float = Field(default=5.0, gt=0)  # silent this long, an ingress's leases return (dead)
+    quota_recall_wait_s: float = Field(default=1.0, ge=0)  # a grant at the limit waits this long for spares
     max_queued_requests: int = Field(default=256, ge=1)
     request_timeout_s: float = Field(default=120.0, gt=0)
     stream_idle_timeout_s: float = Field(default=60.0, gt=0)  # a stream with no token for this long is closed

@@ -54,10 +54,12 @@ class OpenStream:
             except asyncio.TimeoutError:
                 raise HTTPError(504, f"no token for {self.idle_timeout_s:.0f}s; the stream was closed",
                                 code="stream_idle_timeout") from None
-            yield item
             if isinstance(item, GenerateResult):
                 self.exhausted = True
+                await self.admission.finish()   # the work is done: places back before the caller sees the end
+                yield item
                 return
+            yield item
 
     def close(self) -> None:
         """Cancel the upstream call unless it ended by itself, then give back the places (idempotent)."""
@@ -95,8 +97,10 @@ class FrontDoor:
         try:
             result = await self._first(request, admission, deadline, lambda: self.worker.generate.remote(request),
                                        _itself)
-        finally:
+        except BaseException:
             admission.release()
+            raise
+        await admission.finish()   # places back before the client sees the answer (its next request may follow)
         return result, admission
 
     async def open_stream(self, request: GenerateRequest) -> OpenStream:

@@ -32,13 +32,13 @@ STARTUP_REGISTRATIONS = 16  # startup adapters registered at once
 @serve.deployment(name="LoRAFleetIngress", max_ongoing_requests=512, ray_actor_options={"num_cpus": 0})
 @serve.ingress()
 class LoRAFleetIngress:
-    async def __init__(self, args: dict, worker, directory):
+    async def __init__(self, args: dict, worker, directory, quota_leases):
         self.args = AppArgs(**args)
         self.worker = worker.options(stream=False)
         self.worker_stream = worker.options(stream=True)
         self.registry = RegistryFollower(directory)
         self.admin = VersionedFleetAdmin(self.worker, directory, self.registry, self.args)
-        self.gate = build_gate(self.admin, self.args)
+        self.gate = build_gate(self.admin, self.args, quota_leases)
         self.limiter = RequestLimiter(self.args.max_queued_requests, self.args.request_timeout_s)
         self.front = FrontDoor(self.args, self.gate, self.limiter, self.worker, self.worker_stream)
         await self.registry.refresh()
@@ -72,12 +72,14 @@ class LoRAFleetIngress:
         """Token deltas, then the final ``GenerateResult``; admitted like an HTTP stream."""
         stream = await self.front.open_stream(request)
         try:
-            yield stream.first
-            if not isinstance(stream.first, GenerateResult):
+            if isinstance(stream.first, GenerateResult):
+                stream.exhausted = True
+                await stream.admission.finish()   # places back before the caller sees the end
+                yield stream.first
+            else:
+                yield stream.first
                 async for item in stream.rest():
                     yield item
-            else:
-                stream.exhausted = True
         finally:
             stream.close()  # the caller cancelled or stopped reading: the work upstream stops too
 
@@ -109,6 +111,8 @@ class LoRAFleetIngress:
         resolver = self.gate.resolver
         return {"pid": os.getpid(), "registry_version": self.registry.version, "inflight": self.limiter.inflight,
                 "quota_peak_inflight": dict(self.gate.quotas.state.peak_inflight), "retries": self.limiter.retries,
+                "quota_holder": self.gate.quotas.holder, "quota_inflight": dict(self.gate.quotas.inflight),
+                "quota_round_trips": self.gate.quotas.state.round_trips, "quota_local": self.gate.quotas.state.local,
                 "repicks": self.front.repicks,
                 "resolver_lookups": resolver.lookups if resolver else 0,
                 "resolver_refused": resolver.limiter.refused if resolver and resolver.limiter else 0,

@@ -30,7 +30,7 @@ def openai_router(ingress) -> APIRouter:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return CompletionStream(opened.upstream, opened.first, model, rid, chat, include_usage,
                                     args.stream_idle_timeout_s, opened.admission.release,
-                                    headers=opened.admission.headers())
+                                    headers=opened.admission.headers(), on_finish=opened.admission.finish)
         result, admission = await ingress.front.generate(request)
         return JSONResponse(completion_body(result, model, rid, chat, body),
                             headers={"x-lorafleet-replica": result.replica_id or "", **admission.headers()})

@@ -30,7 +30,7 @@ from pool.sources import candidate_source
 
 from .config import NAME_RE, AdapterSpec
 from .http_errors import HTTPError, unwrap
-from .quotas import replica_share
+from .replica_share import replica_share
 
 log = logging.getLogger("ray.serve")
 SHOWN_NAME_CHARS = 80

@@ -9,7 +9,7 @@ upstream call, which removes the sequence from the engine.
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator, Callable, Optional
+from typing import AsyncIterator, Awaitable, Callable, Optional
 
 from starlette.responses import StreamingResponse
 
@@ -34,8 +34,9 @@ class CompletionStream(StreamingResponse):
     """
 
     def __init__(self, upstream, first, model: str, rid: str, chat: bool, include_usage: bool,
-                 idle_timeout_s: float, on_close: Callable[[], None], headers: Optional[dict] = None):
-        self._upstream, self._on_close = upstream, on_close
+                 idle_timeout_s: float, on_close: Callable[[], None], headers: Optional[dict] = None,
+                 on_finish: Optional[Callable[[], Awaitable[None]]] = None):
+        self._upstream, self._on_close, self._on_finish = upstream, on_close, on_finish
         self._exhausted = self._closed = False
         events = self._events(first, model, rid, chat, include_usage, idle_timeout_s)
         super().__init__(events, media_type="text/event-stream", headers=headers)
@@ -54,6 +55,12 @@ class CompletionStream(StreamingResponse):
             self._upstream.cancel()  # the client went away, or the stream failed: stop the work upstream
         self._on_close()
 
+    async def _finished(self) -> None:
+        """The work ended by itself: give the places back before the client reads the end of the stream
+        (a quota's next request may follow at once, on any ingress replica)."""
+        if self._on_finish is not None:
+            await self._on_finish()
+
     async def _events(self, first, model: str, rid: str, chat: bool, include_usage: bool,
                       idle_timeout_s: float) -> AsyncIterator[str]:
         """``first`` was awaited before the response started (so its errors became a status); the rest follow."""
@@ -64,6 +71,7 @@ class CompletionStream(StreamingResponse):
             while True:
                 if isinstance(item, GenerateResult):
                     self._exhausted = True
+                    await self._finished()
                     if include_usage:
                         yield stream_chunk(None, model, rid, chat, usage=item.usage)
                     break
@@ -72,6 +80,7 @@ class CompletionStream(StreamingResponse):
                     item = await asyncio.wait_for(self._upstream.__anext__(), idle_timeout_s)
                 except StopAsyncIteration:
                     self._exhausted = True
+                    await self._finished()
                     break
                 except asyncio.TimeoutError:
                     yield error_event(HTTPError(504, f"no token for {idle_timeout_s:.0f}s; the stream was closed",

@@ -28,6 +28,7 @@ from .adapter_staging import AdapterStaging
 from .adapter_registry import AdapterRegistry
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
+from .fast_paths import choose_fast_paths
 from .errors import EngineOverloadedError, EngineShutdownError, EngineUnhealthyError, RequestCancelledError
 from .input_processor import InputProcessor
 from .block_manager import BlockManager
@@ -44,14 +45,17 @@ from .read_api import EngineReadAPI
 from .sample_group import SampleGroup, child_of, fork_ready, share_prompt_blocks
 from .scheduler import Scheduler
 from .sequence import Sequence, SinkItem
+from .tuning import EngineTuning
 
 log = logging.getLogger(__name__)
 STAGING_POLL_S = 0.01
 
 
 class LoRAEngine(EngineReadAPI):
-    def __init__(self, config: EngineConfig, model=None, tokenizer=None):
+    def __init__(self, config: EngineConfig, model=None, tokenizer=None, tuning: Optional[EngineTuning] = None):
+        """``tuning``: which fast paths to try (each is checked against torch here, before anything is served)."""
         self.config = config
+        self.tuning = tuning or EngineTuning()
         if model is None:
             model, tokenizer, _ = load_base_model(config.base_model, dtype=config.dtype, device=config.device,
                                                   revision=config.revision)
@@ -74,12 +78,17 @@ class LoRAEngine(EngineReadAPI):
                                    replica_id=config.replica_id)
         self.context = LoRABatchContext()
         attach_lora(model, self.pool, self.context)
+        self.context.target_programs = self.tuning.lora_target_programs
+        self.fast_paths = choose_fast_paths(model, self.pool, self.device, self.dtype, self.tuning)
+        backend, kernels = self.fast_paths["attention"].used, self.fast_paths["lora_kernels"].fast
         self.max_num_batched_tokens = token_budget(config, self.device)
         reserve = 0 if config.kv_cache_bytes is not None else activation_reserve_bytes(
-            model, self.pool, self.context, config, self.device, self.dtype, self.max_num_batched_tokens)
-        self.cache = build_kv_cache(model, config, self.device, self.dtype, max_model_len, reserve_bytes=reserve)
+            model, self.pool, self.context, config, self.device, self.dtype, self.max_num_batched_tokens,
+            backend=backend, lora_kernels=kernels)
+        self.cache = build_kv_cache(model, config, self.device, self.dtype, max_model_len, reserve_bytes=reserve,
+                                    backend=backend)
         self.max_model_len = fit_max_model_len(self.cache, max_model_len, configured=config.max_model_len is not None)
-        self.runner = ModelRunner(model, self.pool, self.cache, self.context)
+        self.runner = ModelRunner(model, self.pool, self.cache, self.context, lora_kernels=kernels)
         self.blocks = BlockManager(self.cache)
         self.scheduler: Scheduler[Sequence] = Scheduler(
             self.pool.validate_lora_batch, lambda uid: uid in self.pool.pinned,
@@ -234,6 +243,8 @@ class LoRAEngine(EngineReadAPI):
         error = EngineShutdownError("the engine shut down")
         for seq in list(self.scheduler.waiting) + list(self.scheduler.running):
             seq.sink(error)
+        if not self._thread.is_alive():
+            self.cache.release()  # the KV cache is most of a replica's GPU memory: free it now, not at the next GC
 
     # ------------------------------------------------------------------ the loop
 

@@ -102,6 +102,14 @@ class PagedKVCache:
     def note_usage(self) -> None:
         self.peak_blocks_used = max(self.peak_blocks_used, self.allocator.num_used)
 
+    def release(self) -> None:
+        """Drop the K/V tensors (an engine that shut down): on CUDA the memory goes back to the allocator's pool at
+        once, and to the device with ``torch.cuda.empty_cache``, so the next engine's sizing sees it free."""
+        device = self.k.device
+        self.k = self.v = torch.empty(0, device=device)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def write(self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the step's new K/V ([tokens, kv_heads, head_dim]): token i at ``blocks[i]``, ``offsets[i]``."""
         if self.layout == "page_major":

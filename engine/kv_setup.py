@@ -36,16 +36,19 @@ def kv_shape(model) -> tuple[int, int, int]:
 
 
 def build_kv_cache(model, config: EngineConfig, device: torch.device, dtype: torch.dtype, max_model_len: int,
-                   reserve_bytes: int = 0, budget_bytes: Optional[int] = None) -> PagedKVCache:
+                   reserve_bytes: int = 0, budget_bytes: Optional[int] = None,
+                   backend: Optional[str] = None) -> PagedKVCache:
     """The paged KV cache sized by ``kv_cache_bytes`` (see ``kv_budget_bytes`` for the default), or by
-    ``budget_bytes`` when given; ``reserve_bytes`` (a step's activations) is left out of the free memory."""
+    ``budget_bytes`` when given; ``reserve_bytes`` (a step's activations) is left out of the free memory.
+    ``backend``: the attention backend it is laid out for (the engine's checked choice); None: ``choose_backend``."""
     layers, kv_heads, head_dim = kv_shape(model)
     if budget_bytes is None:
         budget_bytes = kv_budget_bytes(config.kv_cache_bytes, device=device,
                                        bytes_per_token=kv_bytes_per_token(layers, kv_heads, head_dim, dtype),
                                        max_batch_size=config.max_batch_size, max_model_len=max_model_len,
                                        memory_fraction=config.kv_cache_memory_fraction, reserve_bytes=reserve_bytes)
-    backend = choose_backend(device, dtype, head_dim=head_dim)
+    if backend is None:
+        backend = choose_backend(device, dtype, head_dim=head_dim)
     return PagedKVCache.from_budget(budget_bytes, layers, config.kv_block_size, kv_heads, head_dim, device=device,
                                     dtype=dtype, prefix_caching=config.enable_prefix_caching,
                                     layout=KV_LAYOUT[backend])

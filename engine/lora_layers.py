@@ -24,7 +24,7 @@ from torch import nn
 from pool.memory_pool import LoRAMemoryPool
 
 if TYPE_CHECKING:
-    from .lora_triton import SegmentPlan
+    from .lora_plan import SegmentPlan
 
 
 @dataclass
@@ -42,15 +42,18 @@ class LoRABatchContext:
 
     segments: list[LoRASegment] = field(default_factory=list)
     plan: Optional["SegmentPlan"] = None  # the segments on the device, for the Triton kernels
+    target_programs: int = 264  # split-K's aim for shrink programs (EngineTuning.lora_target_programs)
 
-    def set_segments(self, segments: list[LoRASegment], device: Optional[torch.device] = None) -> None:
-        """``device``: run the segmented kernels there (several adapters); None: the torch segment loop."""
+    def set_segments(self, segments: list[LoRASegment], device: Optional[torch.device] = None,
+                     num_tokens: Optional[int] = None) -> None:
+        """``device``: run the segmented kernels there (several adapters); None: the torch segment loop.
+        ``num_tokens``: rows of the step's activations (None: the last segment's end)."""
         self.segments = [s for s in segments if s.rank > 0 and s.end > s.start]
         self.plan = None
         if len(self.segments) > 1 and device is not None:
-            from .lora_triton import SegmentPlan
+            from .lora_plan import SegmentPlan
 
-            self.plan = SegmentPlan.build(self.segments, device)
+            self.plan = SegmentPlan.build(self.segments, device, num_tokens)
 
 
 class LoRALinear(nn.Module):
@@ -82,12 +85,44 @@ class LoRALinear(nn.Module):
         if plan is not None:
             from . import lora_triton  # read at call time: the tests reload it under the interpreter
 
-            lora_triton.add_lora(flat_x, self.a_buffer, self.bt_buffer, plan, flat_out)
+            lora_triton.add_lora(flat_x, self.a_buffer, self.bt_buffer, plan, flat_out, self.context.target_programs)
             return out
-        for seg in segments:
-            shrink = flat_x[seg.start:seg.end] @ self.a_buffer[seg.slot, : seg.rank].t()
-            flat_out[seg.start:seg.end].addmm_(shrink, self.bt_buffer[seg.slot, : seg.rank], alpha=seg.scaling)
+        add_segment_loop(flat_x, self.a_buffer, self.bt_buffer, segments, flat_out)
         return out
+
+
+def add_segment_loop(x: torch.Tensor, a_buffer: torch.Tensor, bt_buffer: torch.Tensor,
+                     segments: list[LoRASegment], out: torch.Tensor) -> None:
+    """The plain torch path: one matmul pair per segment (the reference every fast path is checked against)."""
+    for seg in segments:
+        shrink = x[seg.start:seg.end] @ a_buffer[seg.slot, : seg.rank].t()
+        out[seg.start:seg.end].addmm_(shrink, bt_buffer[seg.slot, : seg.rank], alpha=seg.scaling)
+
+
+FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # projections of one input
+
+
+def kernel_groups(targeted) -> list[tuple[str, ...]]:
+    """The projection groups the kernels run as one launch pair: q/k/v and gate/up when all are targeted (the
+    runner fuses them, ``fused_projections``), every other targeted module alone."""
+    groups = [g for g in FUSED_GROUPS if all(m in targeted for m in g)]
+    fused = {m for g in groups for m in g}
+    return groups + [(m,) for m in targeted if m not in fused]
+
+
+def fused_projections(modules: list[nn.Module], x: torch.Tensor) -> list[torch.Tensor]:
+    """``modules`` (q/k/v, or gate/up) applied to one input, their LoRA in one kernel pair when the step runs the
+    kernels (``LoRABatchContext.plan``); otherwise each module as it is."""
+    if not all(isinstance(m, LoRALinear) for m in modules) or modules[0].context.plan is None:
+        return [m(x) for m in modules]
+    outs = [m.base(x) for m in modules]
+    from . import lora_triton
+
+    flat_x = x.reshape(-1, x.shape[-1])
+    context = modules[0].context
+    lora_triton.add_lora_slices(flat_x, [m.a_buffer for m in modules], [m.bt_buffer for m in modules], context.plan,
+                                [o.view(-1, o.shape[-1]) for o in outs], context.target_programs)
+    return outs
 
 
 def attach_lora(model: nn.Module, pool: LoRAMemoryPool, context: LoRABatchContext) -> list[LoRALinear]:

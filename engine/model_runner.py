@@ -21,7 +21,7 @@ from pool.memory_pool import LoRAMemoryPool
 from .attention import make_attention
 from .attention_layout import StepLayout
 from .kv_cache import PagedKVCache
-from .lora_layers import LoRABatchContext, LoRASegment
+from .lora_layers import LoRABatchContext, LoRASegment, fused_projections
 
 log = logging.getLogger(__name__)
 
@@ -50,14 +50,17 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _window_of(attn: nn.Module, config) -> Optional[int]:
+def window_of(attn: nn.Module, config) -> Optional[int]:
     if hasattr(attn, "sliding_window"):
         return attn.sliding_window
     return getattr(config, "sliding_window", None)
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, pool: LoRAMemoryPool, kv_cache: PagedKVCache, context: LoRABatchContext):
+    def __init__(self, model: nn.Module, pool: LoRAMemoryPool, kv_cache: PagedKVCache, context: LoRABatchContext,
+                 lora_kernels: Optional[bool] = None):
+        """``lora_kernels``: run multi-adapter steps' LoRA on the Triton kernels (the engine passes its start-up
+        check's decision, ``engine.fast_paths``); None: on CUDA when Triton imports."""
         self.model = model
         self.decoder = model.model
         self.config = model.config
@@ -69,12 +72,14 @@ class ModelRunner:
         self.num_heads = attn0.q_proj.weight.shape[0] // self.head_dim
         self.num_kv_heads = attn0.k_proj.weight.shape[0] // self.head_dim
         self.scaling = attn0.scaling
-        self.windows = [_window_of(layer.self_attn, self.config) for layer in self.decoder.layers]
+        self.windows = [window_of(layer.self_attn, self.config) for layer in self.decoder.layers]
         self.device = next(model.parameters()).device
         self.attention = make_attention(kv_cache, self.num_heads, self.num_kv_heads, self.head_dim)
-        # The segmented Triton LoRA kernels (two launches per module whatever the number of adapters) on
-        # CUDA; the CPU keeps the torch segment loop (Triton compiles for GPUs only).
-        self.kernel_device = self.device if self.device.type == "cuda" and triton_available() else None
+        # The segmented Triton LoRA kernels (two launches per projection group whatever the number of adapters)
+        # where the start-up check passed; else the torch segment loop
+        if lora_kernels is None:
+            lora_kernels = self.device.type == "cuda" and triton_available()
+        self.kernel_device = self.device if lora_kernels else None
 
     @torch.inference_mode()
     def forward(self, seqs: list[SeqInput], all_logits: bool = False) -> torch.Tensor:
@@ -85,7 +90,7 @@ class ModelRunner:
                             self.cache.block_size, self.device)
         starts = layout.token_offsets
         input_ids = torch.tensor([t for s in ordered for t in s.token_ids], device=self.device)
-        self.context.set_segments(self._segments(ordered, starts), self.kernel_device)
+        self.context.set_segments(self._segments(ordered, starts), self.kernel_device, num_tokens=layout.num_tokens)
         try:
             self.attention.begin_step(layout, self.windows, self.scaling)
             hidden = self._decoder_forward(input_ids, layout)
@@ -131,9 +136,10 @@ class ModelRunner:
         for li, layer in enumerate(self.decoder.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
-            q = attn.q_proj(x).view(T, self.num_heads, self.head_dim)
-            k = attn.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
-            v = attn.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+            q, k, v = fused_projections([attn.q_proj, attn.k_proj, attn.v_proj], x)
+            q = q.view(T, self.num_heads, self.head_dim)
+            k = k.view(T, self.num_kv_heads, self.head_dim)
+            v = v.view(T, self.num_kv_heads, self.head_dim)
             if hasattr(attn, "q_norm"):  # Qwen3-style per-head norms
                 q, k = attn.q_norm(q), attn.k_norm(k)
             q = q * cos + _rotate_half(q) * sin
@@ -141,5 +147,7 @@ class ModelRunner:
             self.cache.write(li, layout.write_blocks, layout.write_offsets, k, v)
             o = self.attention(li, q, k, v, layout, self.windows[li], attn.scaling)
             h = h + attn.o_proj(o)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            mlp = layer.mlp
+            gate, up = fused_projections([mlp.gate_proj, mlp.up_proj], layer.post_attention_layernorm(h))
+            h = h + mlp.down_proj(mlp.act_fn(gate) * up)
         return self.decoder.norm(h)

@@ -8,7 +8,7 @@ import torch
 
 from .penalties import apply_penalties, has_penalties, mask_tokens
 from .request import TokenDelta, TokenLogprob
-from .sampling import is_greedy, sample_next_token
+from .sampling import is_greedy, sample_tokens
 from .sequence import Sequence
 
 
@@ -55,29 +55,34 @@ def process_logits(logits: torch.Tensor, seqs: list[Sequence], eos_ids: set[int]
 
 def next_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_ids: set[int] = frozenset(),
                 grammar=None) -> list[Union[int, None, Exception]]:
-    """Row ``i`` of ``logits`` picks ``seqs[i]``'s token: greedy ones share one device sync.
+    """Row ``i`` of ``logits`` picks ``seqs[i]``'s token; the whole step's choices (greedy and sampled) and which
+    rows were finite come to the host in one transfer (``engine.sampling``).
 
     A row that cannot give a token (non-finite logits, a sampling error) yields its error
     instead, so one sequence's failure never fails the others in the batch. A request for
     no token at all (``max_tokens`` 0, echo scoring a prompt) yields None.
     """
-    finite = torch.isfinite(logits).all(dim=-1).tolist()
+    finite = torch.isfinite(logits).all(dim=-1)
     logits = process_logits(logits, seqs, eos_ids, grammar)
-    greedy = logits.argmax(dim=-1).tolist()
+    requests = [seq.request for seq in seqs]
+    try:
+        chosen = sample_tokens(logits, [r.temperature for r in requests], [r.top_p for r in requests],
+                               [seq.generator for seq in seqs], finite)
+        picked, ok = torch.stack([chosen, finite.to(chosen.dtype)]).tolist()  # the step's one transfer
+        failure: Optional[Exception] = None
+    except RuntimeError as exc:  # a sampling error fails the rows that sample, never the greedy ones
+        picked, ok = logits.argmax(dim=-1).tolist(), finite.tolist()
+        failure = exc
     tokens: list[Union[int, None, Exception]] = []
-    for i, seq in enumerate(seqs):
-        request = seq.request
+    for i, request in enumerate(requests):
         if request.max_tokens == 0:
             tokens.append(None)
-        elif not finite[i]:
+        elif not ok[i]:
             tokens.append(FloatingPointError(f"request {request.request_id}: the model produced non-finite logits"))
-        elif is_greedy(request.temperature):
-            tokens.append(greedy[i])
+        elif failure is not None and not is_greedy(request.temperature):
+            tokens.append(failure)
         else:
-            try:
-                tokens.append(sample_next_token(logits[i], request.temperature, request.top_p, seq.generator))
-            except RuntimeError as exc:
-                tokens.append(exc)
+            tokens.append(int(picked[i]))
     return tokens
 
 

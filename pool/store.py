@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .adapter import LoRAAdapterWeights, load_adapter_folder
+from .adapter import LoRAAdapterWeights, load_adapter_folder, max_adapter_file_bytes
 from .errors import AdapterNotFoundError, AdapterNotStagedError
 from .host_cache import HostAdapterCache
 from .shapes import LoRAModelShape
@@ -63,7 +63,8 @@ class AdapterStore:
         Runs without the store's lock held so loads of unrelated adapters overlap.
         """
         name = name or uid
-        resolved = resolve_adapter_source(source, revision, self.policy)
+        resolved = resolve_adapter_source(source, revision, self.policy,
+                                          max_adapter_file_bytes(self.shape, self.max_lora_rank))
         weights = load_adapter_folder(resolved.folder, self.shape, self.max_lora_rank, name=name, dtype=self.dtype)
         record = AdapterRecord(uid, name, source, revision, resolved.folder, weights.rank, weights.nbytes,
                                resolved.version)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import copy
 import time
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterable, Mapping, Optional, Union
 
@@ -31,6 +31,8 @@ from .identity import name_of
 from .plan import FleetPlanner, PlacementPlan, PlanConfig, ReplicaSlots
 from .prefetch import holder_moves
 from .router_state import DemandRates
+
+MAX_COUNTED_UIDS = 4096   # uids whose load/evict counts the directory keeps (a count budget; oldest dropped)
 
 DEMAND_TAU_S = 10.0  # the fleet demand the plan follows: request-seconds per second, decayed over this
 
@@ -124,7 +126,9 @@ class AdapterDirectory:
                  clock: Callable[[], float] = time.monotonic, plan_config: PlanConfig = PlanConfig()):
         self.replicas: dict[str, ReplicaState] = {}
         self.holders: dict[str, set[str]] = {}  # uid -> replica ids
-        self.adapter_counts: dict[str, dict[str, int]] = {}  # uid -> {"load": n, "evict": n}
+        # uid -> {"load": n, "evict": n}, most recent last; at most MAX_COUNTED_UIDS (oldest dropped), and a
+        # uid unloaded everywhere is dropped at once: 10,000 registrations and removals leave it at its bound
+        self.adapter_counts: OrderedDict[str, dict[str, int]] = OrderedDict()
         self.version = 0
         self.events_applied = 0
         self.replica_timeout_s = replica_timeout_s
@@ -282,8 +286,7 @@ class AdapterDirectory:
         return state
 
     def _apply_one(self, state: ReplicaState, event: PoolEvent) -> None:
-        counts = self.adapter_counts.setdefault(event.uid, {})
-        counts[event.kind] = counts.get(event.kind, 0) + 1
+        self._count(event)
         if event.kind == "load":
             state.resident[event.uid] = event.slot
             state.loading.discard(event.uid)
@@ -292,10 +295,22 @@ class AdapterDirectory:
             state.resident.pop(event.uid, None)
             state.pinned.discard(event.uid)
             self._unindex(event.uid, state.replica_id)
+            if event.kind == "unload" and event.uid not in self.holders:
+                self.adapter_counts.pop(event.uid, None)   # removed from the fleet: nothing left to count
         elif event.kind == "pin":
             state.pinned.add(event.uid)
         elif event.kind == "unpin":
             state.pinned.discard(event.uid)
+
+    def _count(self, event: PoolEvent) -> None:
+        counts = self.adapter_counts.get(event.uid)
+        if counts is None:
+            counts = self.adapter_counts[event.uid] = {}
+            while len(self.adapter_counts) > MAX_COUNTED_UIDS:
+                self.adapter_counts.popitem(last=False)
+        else:
+            self.adapter_counts.move_to_end(event.uid)
+        counts[event.kind] = counts.get(event.kind, 0) + 1
 
     def _unindex(self, uid: str, replica_id: str) -> None:
         holders = self.holders.get(uid)

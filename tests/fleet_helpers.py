@@ -56,3 +56,26 @@ def wait_for_view_to_match_pools(app: str = FLEET_APP, timeout_s: float = 30.0) 
         return not differences
 
     wait_until(equal, timeout_s, f"{app}'s directory view to equal the real pools", detail=lambda: differences)
+
+
+def ingress_stats(handle, replicas: int) -> dict[int, dict]:
+    """``admission_stats`` of each of ``replicas`` ingress replicas (by pid), asking until each has answered
+    (Serve spreads handle calls over the replicas at random)."""
+    seen: dict[int, dict] = {}
+
+    def every():
+        for _ in range(4 * replicas):
+            stats = handle.admission_stats.remote().result(timeout_s=30)
+            seen[stats["pid"]] = stats
+        return seen if len(seen) >= replicas else None
+
+    return wait_until(every, 120, f"{replicas} ingress replicas to answer")
+
+
+def deploy_app(app: str, args, workers: int, ingresses: int):
+    """A fleet of its own (``args``: AppArgs) at ``/app``, with ``workers`` one-CPU workers and ``ingresses``
+    ingress replicas; returns the ingress handle. The caller deletes it (``serve.delete(app)``)."""
+    from deployments.app import build_fleet
+
+    return serve.run(build_fleet(args, {"num_replicas": workers, "ray_actor_options": {"num_cpus": 1}},
+                                 {"num_replicas": ingresses}), name=app, route_prefix=f"/{app}")

@@ -27,7 +27,7 @@ def test_engine_throughput_tiny(monkeypatch, tmp_path, capsys):
     data = json.loads(out.read_text())
     goals = {g["name"]: g for g in data["goals"]}
     assert list(goals) == ["engine_vs_transformers_cb", "engine_vs_peft_mixed", "kv_concurrency_gain",
-                           "decode_vs_roofline", "short_ttft_p99_under_long_prompts"]
+                           "sampling_tok_s_ratio", "decode_vs_roofline", "short_ttft_p99_under_long_prompts"]
     for g in goals.values():  # each verdict is its measured number against its stated target
         op, bound = g["target"].split()
         assert isinstance(g["measured"], float) and g["measured"] > 0
@@ -50,3 +50,7 @@ def test_engine_throughput_tiny(monkeypatch, tmp_path, capsys):
     assert with_long["long_ttft_p50_ms"] > 0
     ratio = with_long["ttft_p99_ms"] / alone["ttft_p99_ms"]
     assert abs(goals["short_ttft_p99_under_long_prompts"]["measured"] - ratio) < 1e-9
+    greedy, sampled = data["metadata"]["sampling"]
+    assert "greedy" in greedy["system"] and "top_p 0.9" in sampled["system"]
+    assert greedy["output_tokens"] == sampled["output_tokens"] == ours["output_tokens"]  # all 10 requests, batch <= 32
+    assert abs(goals["sampling_tok_s_ratio"]["measured"] - sampled["tok_per_s"] / greedy["tok_per_s"]) < 1e-9

@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from conftest import ADMIN_TOKEN, FLEET_ARGS
+from fleet_helpers import deploy_app, ingress_stats
 from waiting import wait_until
 
 APP = "guarded"
@@ -27,29 +28,14 @@ INGRESS_INFLIGHT = 2
 def guarded(ray_cluster, http_base, demo_assets):
     from ray import serve
 
-    from deployments.app import build_fleet
     from deployments.config import AppArgs
 
     args = AppArgs(**{**FLEET_ARGS, "max_tokens_limit": 512, "max_model_len": 1024},
                    adapters=[{"name": "quota-a", "source": "demo:demo-0"}, {"name": "open-b", "source": "demo:demo-1"}],
                    max_prompt_chars=MAX_PROMPT_CHARS, max_queued_requests=INGRESS_INFLIGHT)
-    handle = serve.run(build_fleet(args, {"num_replicas": 1, "ray_actor_options": {"num_cpus": 1}},
-                                   {"num_replicas": 2}), name=APP, route_prefix=f"/{APP}")
+    handle = deploy_app(APP, args, workers=1, ingresses=2)
     yield {"base": f"{http_base}/{APP}", "handle": handle}
     serve.delete(APP)
-
-
-def ingress_stats(handle) -> dict[int, dict]:
-    """admission_stats of both ingress replicas (by pid), asking until each has answered."""
-    seen: dict[int, dict] = {}
-
-    def both():
-        for _ in range(8):
-            stats = handle.admission_stats.remote().result(timeout_s=30)
-            seen[stats["pid"]] = stats
-        return seen if len(seen) == 2 else None
-
-    return wait_until(both, 60, "both ingress replicas to answer")
 
 
 def outcome(call) -> str:
@@ -66,7 +52,7 @@ def test_max_concurrency_is_exact_over_two_ingress_replicas(guarded):
     assert reply.status_code == 200, reply.text
     directory = __import__("ray").serve.get_deployment_handle("AdapterDirectory", app_name=APP)
     version = directory.get_registry.remote(-1, 0.0).result(timeout_s=30)["version"]
-    wait_until(lambda: all(s["registry_version"] >= version for s in ingress_stats(handle).values()), 60,
+    wait_until(lambda: all(s["registry_version"] >= version for s in ingress_stats(handle, 2).values()), 60,
                "both ingress replicas to see the quota")
 
     def long_request(i: int) -> httpx.Response:
@@ -77,7 +63,7 @@ def test_max_concurrency_is_exact_over_two_ingress_replicas(guarded):
         replies = list(pool.map(long_request, range(8)))
     codes = Counter(r.status_code for r in replies)
     assert codes[200] >= 1 and set(codes) <= {200, 429}, codes
-    stats = ingress_stats(handle)
+    stats = ingress_stats(handle, 2)
     peaks = [s["quota_peak_inflight"].get("quota-a", 0) for s in stats.values()]
     assert sum(peaks) <= 1, peaks          # each replica's most-at-once, summed: the fleet never held 2
 
@@ -108,4 +94,4 @@ def test_handle_calls_get_the_http_limits(guarded):
                                                                                 max_tokens=4))
     items = list(stream)
     assert items[-1].usage["completion_tokens"] >= 1
-    assert all(s["inflight"] == 0 for s in ingress_stats(handle).values())   # every place was given back
+    assert all(s["inflight"] == 0 for s in ingress_stats(handle, 2).values())   # every place was given back

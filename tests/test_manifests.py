@@ -143,7 +143,7 @@ def test_rayservice_gpu_layout_ports_prestop_and_secrets():
         assert params["metrics-export-port"] == "8080"
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
         assert ports["metrics"] == 8080
-        assert container["lifecycle"]["preStop"]["exec"]["command"][-1] == "ray stop"
+        assert container["lifecycle"]["preStop"]["exec"]["command"][-1].endswith("ray stop")
         env = {e["name"]: e for e in container["env"]}
         for name, secret in (("HF_TOKEN", "lorafleet-hf-token"), ("LORAFLEET_ADMIN_TOKEN", "lorafleet-admin-token")):
             assert "value" not in env[name], f"{name} must come from a Secret, not a literal"
@@ -164,6 +164,37 @@ def test_rayservice_gpu_layout_ports_prestop_and_secrets():
     (worker,) = [d for d in app["deployments"] if d["name"] == "LoRAWorker"]
     assert worker["ray_actor_options"]["num_gpus"] == 1
     assert max_worker_replicas(worker) * worker["ray_actor_options"]["num_gpus"] <= gpu_slots
+
+
+def test_pods_drain_as_long_as_serve_lets_replicas_finish():
+    """Each pod's grace period covers the longest graceful shutdown in the Serve config plus the margin, and
+    the worker pods' preStop drains the node with that deadline, waits for the replicas, then stops Ray."""
+    from manifests.render import PRESTOP_MARGIN_S
+
+    rs = rayservice()
+    config = yaml.safe_load(rs["spec"]["serveConfigV2"])
+    (app,) = config["applications"]
+    graceful = max(d["graceful_shutdown_timeout_s"] for d in app["deployments"] if "graceful_shutdown_timeout_s" in d)
+    assert graceful >= app["args"]["request_timeout_s"]
+    for role, group, container in ray_containers(rs):
+        assert group["template"]["spec"]["terminationGracePeriodSeconds"] >= graceful + PRESTOP_MARGIN_S, role
+    for group in rs["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
+        (shell,) = group["template"]["spec"]["containers"][0]["lifecycle"]["preStop"]["exec"]["command"][2:]
+        drain, rest = shell.split(" || true; ")   # a failed drain request still waits, then stops
+        wait, stop = rest.rsplit("; ", 1)
+        assert "ray drain-node" in drain and f"--deadline-remaining-seconds={int(graceful)}" in drain
+        assert wait.startswith(f"timeout {int(graceful)} ") and "ServeReplica" in wait and stop == "ray stop"
+
+
+def test_render_refuses_a_graceful_shutdown_shorter_than_the_request_timeout():
+    from manifests.render import SOURCE, TEMPLATE, RenderError, render, render_files
+
+    source = SOURCE.read_text(encoding="utf-8")
+    short = source.replace("graceful_shutdown_timeout_s: 330", "graceful_shutdown_timeout_s: 10", 1)
+    assert short != source
+    with pytest.raises(RenderError, match="graceful_shutdown_timeout_s 10 < request_timeout_s 300"):
+        render(TEMPLATE.read_text(encoding="utf-8"), short)
+    assert render_files()   # the real sources still render
 
 
 def max_worker_replicas(deployment: dict) -> int:
@@ -193,8 +224,9 @@ def test_rayservice_is_a_fresh_rendering_of_its_sources():
     assert committed == fresh, "manifests/rayservice.yaml drifted: run `python -m manifests.render`"
     source = (REPO / "serve_config.gpu.yaml").read_text(encoding="utf-8")
     assert rayservice()["spec"]["serveConfigV2"] == render.normalized_source(source)
-    # everything but serveConfigV2 comes from the template
-    template = yaml.safe_load((MANIFESTS / "rayservice.template.yaml").read_text(encoding="utf-8"))
+    # everything but serveConfigV2 comes from the template, its drain placeholders filled from the Serve config
+    template = yaml.safe_load(render.fill_drain((MANIFESTS / "rayservice.template.yaml").read_text(encoding="utf-8"),
+                                                source))
     template["spec"]["serveConfigV2"] = rayservice()["spec"]["serveConfigV2"]
     assert template == rayservice()
 

@@ -46,7 +46,7 @@ class PoolMachine(RuleBasedStateMachine):
                 if uid is not None:
                     w = self.bank.weights[uid]
                     for m in w.a:
-                        assert torch.equal(self.pool.a_buffers[m][:, slot, : w.rank], w.a[m])
+                        assert torch.equal(self.pool.a_buffers[m][:, slot, : w.rank].cpu(), w.a[m])  # CUDA pool, host bank
 
     @rule()
     def release(self):

@@ -1,4 +1,4 @@
-"""Traffic splits, per-adapter quotas and the first-request resolver, without a cluster."""
+"""Traffic splits and the first-request resolver, without a cluster (quotas: test_quota_leases.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import pytest
 
 from deployments.config import AdapterSpec
 from deployments.http_errors import HTTPError
-from deployments.quotas import AdapterQuotas, replica_share
 from deployments.registry import RegistryEntry
 from deployments.resolvers import AdapterResolver, LookupLimiter
 from deployments.traffic_split import check_label, check_split, families, label_of, pick, weights
@@ -71,72 +70,6 @@ class Clock:
 
     def __call__(self):
         return self.now
-
-
-def test_concurrency_quota_refuses_naming_the_adapter_and_frees_on_release():
-    quotas = AdapterQuotas(metrics=False)
-    held = [quotas.acquire("support", 2, None) for _ in range(2)]
-    with pytest.raises(HTTPError) as err:
-        quotas.acquire("support", 2, None)
-    assert err.value.status == 429 and "'support'" in str(err.value) and err.value.code == "adapter_quota_exceeded"
-    quotas.acquire("other", 2, None)          # quotas are per adapter
-    held[0]()
-    held[0]()                                  # releasing twice frees one place only
-    quotas.acquire("support", 2, None)
-    with pytest.raises(HTTPError):
-        quotas.acquire("support", 2, None)
-    assert quotas.state.rejections[("support", "max_concurrency")] == 2
-
-
-def test_rate_quota_is_a_token_bucket_shared_across_ingress_replicas():
-    clock = Clock()
-    quotas = AdapterQuotas(placement=lambda: (2, 1), clock=clock, metrics=False)   # this replica's part: 5/s
-    admitted = 0
-    for _ in range(20):
-        try:
-            quotas.acquire("a", None, 10)()
-            admitted += 1
-        except HTTPError as exc:
-            assert "10 requests per second" in str(exc)
-    assert admitted == 5
-    clock.now = 0.4                                                          # 0.4 s refills 2 tokens
-    assert sum(_try(quotas, "a") for _ in range(5)) == 2
-
-
-@pytest.mark.parametrize("limit", [1, 2, 3, 5])
-def test_concurrency_quota_is_exact_over_two_ingress_replicas(limit):
-    """Two replicas each admit all they can: together never more than the limit, and exactly it."""
-    replicas = [AdapterQuotas(placement=lambda rank=rank: (2, rank), metrics=False) for rank in (0, 1)]
-    held = [_acquire_all(q, "a", limit) for q in replicas]
-    assert sum(len(h) for h in held) == limit
-    assert replica_share(limit, 2, None) * 2 <= limit          # an unknown rank never over-admits
-
-
-def test_concurrency_quota_follows_the_live_replica_count():
-    placement = [(1, 0)]
-    quotas = AdapterQuotas(placement=lambda: placement[0], metrics=False)
-    assert len(_acquire_all(quotas, "a", 4)) == 4              # alone: the whole limit
-    placement[0] = (2, 1)                                     # a second ingress replica joined; this is rank 1
-    fresh = AdapterQuotas(placement=lambda: placement[0], metrics=False)
-    assert len(_acquire_all(fresh, "a", 4)) == 2
-    assert sum(replica_share(7, 3, rank) for rank in range(3)) == 7
-
-
-def _acquire_all(quotas, name, limit):
-    held = []
-    while True:
-        try:
-            held.append(quotas.acquire(name, limit, None))
-        except HTTPError:
-            return held
-
-
-def _try(quotas, name) -> bool:
-    try:
-        quotas.acquire(name, None, 10)()
-        return True
-    except HTTPError:
-        return False
 
 
 @pytest.fixture(scope="module")

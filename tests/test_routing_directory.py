@@ -165,3 +165,21 @@ def test_plan_moves_are_counted_per_adapter_and_forgotten_with_the_adapter():
         plan = d.update_plan(registered=["a", "b"])
     assert len(plan.holders["a"]) == 2
     assert d.plan_moves == {"a": 1} and d.plan_moves_total == 1
+
+
+def test_per_uid_counts_stay_at_their_bound_through_10000_registrations_and_removals():
+    from routing.directory import MAX_COUNTED_UIDS
+
+    d = AdapterDirectory()
+    seq = 0
+    for i in range(10_000):     # registered, loaded, evicted (counted), unloaded when removed: dropped
+        uid = f"a{i}@0000{i % 10}"
+        events = [ev("load", uid, 0, seq + 1, "r1"), ev("evict", uid, 0, seq + 2, "r1"),
+                  ev("unload", uid, -1, seq + 3, "r1")]
+        d.apply_events("r1", events)
+        seq += 3
+    assert len(d.adapter_counts) == 0 and len(d.holders) == 0
+    for i in range(10_000):     # loaded and evicted, never removed: the oldest are dropped past the budget
+        d.apply_events("r1", [ev("load", f"k{i}", 0, seq + 1, "r1"), ev("evict", f"k{i}", 0, seq + 2, "r1")])
+        seq += 2
+    assert len(d.adapter_counts) == MAX_COUNTED_UIDS and "k9999" in d.adapter_counts and "k0" not in d.adapter_counts

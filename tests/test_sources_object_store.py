@@ -186,3 +186,17 @@ def test_store_registers_an_s3_adapter_and_rereads_it_from_the_node_cache(s3_env
         store.register("x", f"s3://{BUCKET}/elsewhere/demo-3")
     assert "x" not in store
     shutil.rmtree(tmp_path / "cache")
+
+
+def test_a_listed_file_above_the_pools_limit_is_refused_before_the_download(s3_env, policy, demo_assets):
+    from pool.errors import AdapterTooLargeError
+
+    client = s3_client(s3_env)
+    folder = demo_assets.adapters["demo-0"]
+    weights = (folder / "adapter_model.safetensors").read_bytes()
+    upload_folder(client, folder, BUCKET, "too-large")
+    with pytest.raises(AdapterTooLargeError, match=f"{len(weights)} bytes, above the limit of 1024 bytes"):
+        resolve_adapter_source(f"s3://{BUCKET}/too-large", policy=policy, max_bytes=1024)
+    assert cache_entries(policy) == []
+    assert s3_env.gets(BUCKET, "too-large/adapter_model.safetensors") == 0    # nothing was downloaded
+    assert resolve_adapter_source(f"s3://{BUCKET}/too-large", policy=policy, max_bytes=len(weights)).downloaded

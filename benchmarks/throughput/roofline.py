@@ -12,7 +12,8 @@ The three take turns each repeat, so drift hits them alike.
 
 from __future__ import annotations
 
-from typing import Sequence
+from contextlib import contextmanager
+from typing import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -46,11 +47,10 @@ def copy_bandwidth(device: torch.device, nbytes: int = 256 << 20, repeats: int =
     return 2 * nbytes / common.median(times)
 
 
-def measure_decode(engine: LoRAEngine, weights: Sequence[torch.Tensor], adapter_names: Sequence[str], batch: int,
-                   context: int, repeats: int) -> dict:
-    """Median step and floors in ms; the engine must be idle (its step lock is held throughout)."""
-    device = engine.device
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+@contextmanager
+def decode_inputs(engine: LoRAEngine, adapter_names: Sequence[str], batch: int, context: int) -> Iterator[list]:
+    """``batch`` one-token inputs (request i on adapter i % len) over ``context`` cached random tokens, ready for
+    ``engine.runner.forward``; the engine's step lock is held throughout and the blocks and slots freed after."""
     gen = torch.Generator().manual_seed(0)
     vocab = engine.model.config.vocab_size
     alloc = engine.cache.allocator
@@ -62,22 +62,29 @@ def measure_decode(engine: LoRAEngine, weights: Sequence[torch.Tensor], adapter_
             prompts = torch.randint(3, vocab, (batch, context), generator=gen).tolist()
             engine.runner.forward([SeqInput(t, p, 0, slots[u]) for t, p, u in zip(tables, prompts, uids)])
             tokens = torch.randint(3, vocab, (batch,), generator=gen).tolist()
-            seqs = [SeqInput(t, [tok], context, slots[u]) for t, tok, u in zip(tables, tokens, uids)]
-
-            def step():
-                engine.runner.forward(seqs).argmax(dim=-1).tolist()
-
-            xs = {w.shape[1]: torch.randn(batch, w.shape[1], device=device, dtype=w.dtype) for w in weights}
-
-            def gemms():
-                for w in weights:
-                    F.linear(xs[w.shape[1]], w)
-
-            times = common.time_alternating({"step": step, "gemms": gemms}, repeats=repeats, warmup=2, sync=sync)
+            yield [SeqInput(t, [tok], context, slots[u]) for t, tok, u in zip(tables, tokens, uids)]
         finally:
             for t in tables:
                 alloc.free(t)
             engine.pool.release_batch()
+
+
+def measure_decode(engine: LoRAEngine, weights: Sequence[torch.Tensor], adapter_names: Sequence[str], batch: int,
+                   context: int, repeats: int) -> dict:
+    """Median step and floors in ms; the engine must be idle (its step lock is held throughout)."""
+    device = engine.device
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    with decode_inputs(engine, adapter_names, batch, context) as seqs:
+        def step():
+            engine.runner.forward(seqs).argmax(dim=-1).tolist()
+
+        xs = {w.shape[1]: torch.randn(batch, w.shape[1], device=device, dtype=w.dtype) for w in weights}
+
+        def gemms():
+            for w in weights:
+                F.linear(xs[w.shape[1]], w)
+
+        times = common.time_alternating({"step": step, "gemms": gemms}, repeats=repeats, warmup=2, sync=sync)
     weight_bytes = sum(w.numel() * w.element_size() for w in weights)
     bandwidth = copy_bandwidth(device)
     step_ms = common.median(times["step"]) * 1e3

@@ -28,8 +28,10 @@ from .workload import Served, WorkRequest
 
 
 def run_engine(engine: LoRAEngine, requests: Sequence[WorkRequest], adapter_names: Sequence[str],
-               offsets: Optional[Sequence[float]] = None, timeout_s: float = 600.0) -> tuple[list[Served], float]:
-    """Serve ``requests`` (at ``offsets`` seconds from the start, else all at once); (served, start time)."""
+               offsets: Optional[Sequence[float]] = None, timeout_s: float = 600.0,
+               sampling: Optional[dict] = None) -> tuple[list[Served], float]:
+    """Serve ``requests`` (at ``offsets`` seconds from the start, else all at once); (served, start time).
+    ``sampling``: ``GenerateRequest`` fields for every request (temperature, top_p); request i gets seed i."""
     done = threading.Semaphore(0)
     failures: list[BaseException] = []
     served = [Served(r, 0.0) for r in requests]
@@ -53,8 +55,9 @@ def run_engine(engine: LoRAEngine, requests: Sequence[WorkRequest], adapter_name
                 time.sleep(delay)
         record.arrival = time.perf_counter()
         name = None if req.adapter is None else adapter_names[req.adapter]
-        engine.submit(GenerateRequest(adapter=name, token_ids=list(req.prompt_ids), max_tokens=req.max_tokens),
-                      sink_for(record))
+        extra = {} if sampling is None else {**sampling, "seed": i}
+        engine.submit(GenerateRequest(adapter=name, token_ids=list(req.prompt_ids), max_tokens=req.max_tokens,
+                                      **extra), sink_for(record))
     deadline = time.monotonic() + timeout_s
     for _ in requests:
         if not done.acquire(timeout=max(0.0, deadline - time.monotonic())):

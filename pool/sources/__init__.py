@@ -21,15 +21,16 @@ from .urls import ObjectURL, parse_object_url, url_scheme
 
 
 def resolve_adapter_source(source: str, revision: Optional[str] = None,
-                           policy: SourcePolicy = SourcePolicy()) -> ResolvedSource:
-    """A local folder holding ``source``'s adapter files, or a typed refusal that names why."""
+                           policy: SourcePolicy = SourcePolicy(), max_bytes: Optional[int] = None) -> ResolvedSource:
+    """A local folder holding ``source``'s adapter files, or a typed refusal that names why; an object-store
+    file larger than ``max_bytes`` (by its listing) is refused before it is downloaded."""
     if url_scheme(source) is not None:
         url = parse_object_url(source)
         if not policy.allows_object(url):
             raise SourceNotAllowedError(
                 f"adapter source {url.url} is outside the allowed object-store prefixes "
                 f"(this server's object_store_prefixes)")
-        return resolve_object_source(url, revision, NodeDownloadCache(policy.cache_root))
+        return resolve_object_source(url, revision, NodeDownloadCache(policy.cache_root), max_bytes)
     if looks_local(source):
         return resolve_local_source(source, policy)
     if is_hub_repo_id(source):

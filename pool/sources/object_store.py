@@ -20,6 +20,7 @@ from ..adapter import CONFIG_FILE, PICKLE_FILES, WEIGHTS_FILE
 from ..errors import (
     AdapterFormatError,
     AdapterNotFoundError,
+    AdapterTooLargeError,
     LoRAFleetError,
     PickleWeightsRefusedError,
     SourceAccessDeniedError,
@@ -118,14 +119,29 @@ def _download(fs: Any, url: ObjectURL, files: dict[str, dict], folder: Path) -> 
                 f"adapter source {url.url}: {name} changed while it was downloaded; retry")
 
 
-def resolve_object_source(url: ObjectURL, revision: Optional[str], cache: NodeDownloadCache) -> ResolvedSource:
-    """The adapter under ``url`` in the node-local cache, downloaded by this node's first asker.
+def check_listed_sizes(url: ObjectURL, files: dict[str, dict], max_bytes: Optional[int]) -> None:
+    """Refuse, before any byte is downloaded, files the listing says are larger than ``max_bytes`` (the largest
+    file a valid adapter for this pool could be): a hostile or mistaken source must not fill the node's disk."""
+    if max_bytes is None:
+        return
+    for name, info in files.items():
+        size = info.get("size")
+        if size is not None and int(size) > max_bytes:
+            raise AdapterTooLargeError(f"adapter source {url.url}: {name} is {int(size)} bytes, above the limit of "
+                                       f"{max_bytes} bytes for this pool (nothing was downloaded)")
+
+
+def resolve_object_source(url: ObjectURL, revision: Optional[str], cache: NodeDownloadCache,
+                          max_bytes: Optional[int] = None) -> ResolvedSource:
+    """The adapter under ``url`` in the node-local cache, downloaded by this node's first asker; a listed file
+    above ``max_bytes`` is refused before the download.
 
     ``revision``, when given, must equal the content version found now (it pins what a
     fleet-wide registration loads); object stores keep no older versions to go back to.
     """
     fs = object_filesystem(url.protocol)
     files = _list_adapter_files(fs, url)
+    check_listed_sizes(url, files, max_bytes)
     version = content_version(files)
     if revision is not None and revision != version:
         raise AdapterNotFoundError(

@@ -1,0 +1,39 @@
+"""The engine's performance settings: which fast paths it may use and how it checks them.
+
+Kept apart from ``EngineConfig`` (whose values all come from the application args) because
+none of these changes what a request gets back, only how fast it comes: each fast path is
+checked against the plain torch path at start (``engine.fast_paths``) and dropped if it
+disagrees, so a wrong setting here costs speed, never correctness. Every field has its
+default here and its unit in its comment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+FAST_PATH_CHOICES = ("auto", "torch", "fast")
+
+
+def _default_tolerances() -> dict[str, float]:
+    # fp32: the paths sum in different orders; bf16/fp16: a few roundings at 8 / 11 significant bits
+    # (engine.lora_triton's tests state and measure the bf16 figure)
+    return {"float32": 1e-4, "bfloat16": 2 ** -5, "float16": 2 ** -8}
+
+
+@dataclass(frozen=True)
+class EngineTuning:
+    # "auto": the fast path where the device supports it (CUDA), if its start-up check passes; "torch": never;
+    # "fast": try it on any device (the tests use it on the CPU under Triton's interpreter), still checked
+    attention: str = "auto"             # FlashInfer paged attention (CUDA, fp16/bf16) vs torch
+    lora_kernels: str = "auto"          # the segmented Triton LoRA kernels vs the torch segment loop
+    lora_target_programs: int = 264     # programs (CTAs) split-K shrink aims for per launch: ~2 per SM of an H100/H200
+    # largest |fast - torch| allowed in the start-up check, as a fraction of the largest |torch| output, per dtype
+    check_tolerance: dict[str, float] = field(default_factory=_default_tolerances)
+    check_seed: int = 0                 # the random inputs of the start-up check (reproducible reports)
+
+    def __post_init__(self) -> None:
+        for name in ("attention", "lora_kernels"):
+            if getattr(self, name) not in FAST_PATH_CHOICES:
+                raise ValueError(f"{name} must be one of {FAST_PATH_CHOICES} (got {getattr(self, name)!r})")
+        if self.lora_target_programs < 1:
+            raise ValueError(f"lora_target_programs must be at least 1 (got {self.lora_target_programs})")

@@ -1,0 +1,167 @@
+"""Start-up self-check: each fast path the engine would use runs once against the torch path; when it cannot be
+imported, raises, or gives wrong numbers, the engine still starts, serves the same tokens on torch, and reports
+which path it uses (``stats()["fast_paths"]``, which the worker's snapshot carries)."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+
+from deployments.config import AppArgs
+from engine import fast_paths
+from engine.engine import LoRAEngine
+from engine.request import GenerateRequest
+from engine.tuning import EngineTuning
+from triton_interpret import interpreted_lora_kernels
+
+PROMPT = [1, 40, 41, 42, 43]
+
+
+def build(demo_assets, **tuning) -> LoRAEngine:
+    engine = LoRAEngine(AppArgs(base_model=str(demo_assets.model_dir), max_loras_per_batch=3, max_lora_rank=16,
+                                max_model_len=128, kv_cache_bytes=1 << 20).engine_config("fast-paths"),
+                        tuning=EngineTuning(**tuning))
+    for name in list(demo_assets.adapters)[:2]:
+        engine.register_adapter(name, str(demo_assets.adapters[name]))
+    return engine
+
+
+def serve_two_adapters(engine: LoRAEngine, demo_assets) -> list[list[int]]:
+    """Greedy tokens of two adapters' requests in one batch (the kernels' case: two segments)."""
+    import asyncio
+
+    names = list(demo_assets.adapters)[:2]
+
+    async def both():
+        return await asyncio.gather(*(engine.generate(GenerateRequest(adapter=n, token_ids=PROMPT, max_tokens=4))
+                                      for n in names))
+
+    return [r.token_ids for r in asyncio.run(both())]
+
+
+@pytest.fixture(scope="module")
+def torch_tokens(demo_assets) -> list[list[int]]:
+    engine = build(demo_assets, attention="torch", lora_kernels="torch")
+    try:
+        paths = engine.stats()["fast_paths"]
+        assert paths["lora_kernels"]["used"] == paths["attention"]["used"] == "torch"
+        assert paths["lora_kernels"]["reason"] == "set to torch"
+        return serve_two_adapters(engine, demo_assets)
+    finally:
+        engine.shutdown()
+
+
+@pytest.fixture
+def fresh_log(monkeypatch):
+    monkeypatch.setattr(fast_paths, "_logged", set())
+
+
+def test_auto_on_the_cpu_tries_nothing_and_says_why(demo_assets, torch_tokens):
+    engine = build(demo_assets)
+    try:
+        paths = engine.stats()["fast_paths"]
+        assert paths["attention"]["used"] == "torch" and "FlashInfer takes CUDA" in paths["attention"]["reason"]
+        assert paths["lora_kernels"]["used"] == "torch" and paths["lora_kernels"]["check_error"] is None
+        assert serve_two_adapters(engine, demo_assets) == torch_tokens
+    finally:
+        engine.shutdown()
+
+
+def test_kernels_that_pass_the_check_serve_the_same_tokens(demo_assets, torch_tokens):
+    """The real kernels (interpreted on the CPU) pass the check at every BLOCK_R and serve."""
+    with interpreted_lora_kernels():
+        engine = build(demo_assets, lora_kernels="fast")
+        try:
+            lora = engine.stats()["fast_paths"]["lora_kernels"]
+            assert lora["used"] == "triton" and lora["reason"] == "" and lora["check_error"] <= 1e-4
+            assert engine.runner.kernel_device is not None
+            assert serve_two_adapters(engine, demo_assets) == torch_tokens
+        finally:
+            engine.shutdown()
+
+
+def _no_triton(monkeypatch):
+    monkeypatch.setitem(sys.modules, "triton", None)  # ``import triton`` raises ImportError
+    monkeypatch.delitem(sys.modules, "engine.lora_triton", raising=False)
+    monkeypatch.delattr(sys.modules["engine"], "lora_triton", raising=False)  # else ``from . import`` finds it
+
+
+def _kernel_raises(monkeypatch):
+    import engine.lora_triton as kernels
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("CUDA error: no kernel image is available for execution on the device")
+
+    monkeypatch.setattr(kernels, "add_lora_slices", broken)
+
+
+def _wrong_numbers(monkeypatch):
+    import engine.lora_triton as kernels
+
+    def off_by_one(x, a_buffers, bt_buffers, plan, outs, target_programs=1):
+        for out in outs:
+            out += 1.0
+
+    monkeypatch.setattr(kernels, "add_lora_slices", off_by_one)
+
+
+@pytest.mark.parametrize("breakage, reason", [(_no_triton, "ModuleNotFoundError"), (_kernel_raises, "no kernel image"),
+                                              (_wrong_numbers, "differs from torch")])
+def test_a_broken_lora_kernel_falls_back_to_torch(demo_assets, torch_tokens, monkeypatch, fresh_log, caplog,
+                                                  breakage, reason):
+    breakage(monkeypatch)
+    engine = build(demo_assets, lora_kernels="fast")
+    try:
+        lora = engine.stats()["fast_paths"]["lora_kernels"]
+        assert lora["intended"] == "triton" and lora["used"] == "torch" and reason in lora["reason"]
+        assert engine.runner.kernel_device is None
+        assert serve_two_adapters(engine, demo_assets) == torch_tokens
+        assert sum("lora_kernels:" in r.getMessage() for r in caplog.records) == 1  # logged once
+    finally:
+        engine.shutdown()
+
+
+def _fake_flashinfer(run) -> types.ModuleType:
+    """A stand-in ``flashinfer`` whose wrapper plans and then runs ``run`` (the fast path failing its way)."""
+    class Wrapper:
+        def __init__(self, workspace, layout):
+            pass
+
+        def plan(self, *args, **kwargs):
+            pass
+
+        def run(self, q, kv):
+            return run(q)
+
+    module = types.ModuleType("flashinfer")
+    module.BatchPrefillWithPagedKVCacheWrapper = Wrapper
+    return module
+
+
+def _compile_fails(q):
+    raise RuntimeError("Ninja build failed: nvcc: command not found")
+
+
+@pytest.mark.parametrize("module, reason", [(None, "ModuleNotFoundError"), (_fake_flashinfer(_compile_fails), "nvcc"),
+                                            (_fake_flashinfer(torch.zeros_like), "differs from torch")])
+def test_a_broken_flashinfer_falls_back_to_torch(demo_assets, torch_tokens, monkeypatch, fresh_log, module, reason):
+    monkeypatch.setitem(sys.modules, "flashinfer", module)  # None: ``import flashinfer`` raises ImportError
+    engine = build(demo_assets, attention="fast")
+    try:
+        attention = engine.stats()["fast_paths"]["attention"]
+        assert attention["intended"] == "flashinfer" and attention["used"] == "torch"
+        assert reason in attention["reason"]
+        assert engine.cache.layout == "head_major" and engine.runner.attention.name == "torch"
+        assert serve_two_adapters(engine, demo_assets) == torch_tokens
+    finally:
+        engine.shutdown()
+
+
+def test_unknown_tuning_values_are_refused():
+    with pytest.raises(ValueError, match="lora_kernels"):
+        EngineTuning(lora_kernels="cuda")
+    with pytest.raises(ValueError, match="lora_target_programs"):
+        EngineTuning(lora_target_programs=0)
