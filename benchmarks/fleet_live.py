@@ -175,7 +175,7 @@ class Fleet:
         if self.variant is None:
             serve.run(application(self.args, self.parsed, self.env), name=APP, route_prefix=None)
         else:
-            self._reset_pools(prefetch=variant == "affinity")
+            self._reset_pools(follow_plan=variant == "affinity")
         self.variant = variant
         self.loads()  # every worker up and reporting
         router = "pow2" if variant == "multiplexed" else variant  # Serve's default router does multiplexing
@@ -184,7 +184,7 @@ class Fleet:
         ray.get(self.client.pid.remote())
         self.deploy_s = time.perf_counter() - started
 
-    def _reset_pools(self, prefetch: bool) -> None:
+    def _reset_pools(self, follow_plan: bool) -> None:
         """Every replica empties its pool and host tier (asked by ``ReplicaTarget`` through an affinity
         router in this process)."""
         from ray import serve
@@ -193,7 +193,7 @@ class Fleet:
 
         handle = serve.get_deployment_handle("LoRAWorker", app_name=APP)
         for rid in self._replica_ids():
-            handle.reset_adapters.remote(ReplicaTarget(rid), prefetch).result()
+            handle.reset_adapters.remote(ReplicaTarget(rid), follow_plan).result()
 
     def _replica_ids(self) -> list[str]:
         from ray import serve

@@ -101,7 +101,7 @@ class AppArgs(BaseModel):
     version_retire_grace_s: Optional[float] = Field(default=None, ge=0)  # 0% version kept; None: request_timeout_s
     drain_timeout_s: float = Field(default=30.0, ge=0)
     warm_start_timeout_s: float = Field(default=60.0, ge=0)  # a new worker's warm-up bound (0: start cold)
-    prefetch_planned_adapters: bool = True  # a replica the plan makes a new holder reads the adapter ahead
+    replicas_follow_plan: bool = True  # a replica reads ahead what the plan newly puts on it, evicts those last
     demand_window_s: float = Field(default=60.0, gt=0)  # window of the loads/s and working set the autoscaler sees
 
     @property

@@ -332,11 +332,13 @@ class LoRAWorker:
                 "plan_version": self._plan_version}
 
     def _plan_changed(self, plan: dict) -> None:
-        """The plan moved: read ahead what it newly places here (``routing.prefetch``), one at a time, in
-        the background; generation never waits on it."""
+        """The plan moved: the pool evicts its adapters here last, and what it newly places here is read
+        ahead (``routing.prefetch``), one at a time, in the background; generation never waits on it."""
         planned = [name for name in plan["planned"] if name in self.registry.entries]
         self._plan_version = plan["version"]
-        if self.args.prefetch_planned_adapters and self.warm_start:
+        follow = self.args.replicas_follow_plan
+        self.engine.keep_adapters([self.registry.entries[n].uid for n in planned] if follow else ())
+        if follow and self.warm_start:
             uid = lambda name: self.registry.entries[name].uid  # noqa: E731
             todo = prefetches(planned, self._planned,
                               resident={n for n in planned if self.engine.is_resident(uid(n))},

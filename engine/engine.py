@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import AsyncIterator, Callable, Optional
+from typing import AsyncIterator, Callable, Iterable, Optional
 
 import torch
 
@@ -133,6 +133,10 @@ class LoRAEngine(EngineReadAPI):
 
     def unpin_adapter(self, name: str) -> bool:
         return self.adapter_manager.unpin(name)
+
+    def keep_adapters(self, uids: Iterable[str]) -> None:
+        """Evict these last (``LoRAMemoryPool.keep``): the placement plan's adapters on this replica."""
+        self.pool.keep(uids)
 
     def validate_adapter_files(self, uid: str, source: str, *, name: str,
                                revision: Optional[str] = None) -> AdapterRecord:

@@ -93,6 +93,7 @@ class LoRAMemoryPool:
         self.uid_to_slot: dict[Uid, int] = {}
         self.slot_to_uid: list[object] = [EMPTY] * S
         self.pinned: set[str] = set()
+        self.kept: frozenset[str] = frozenset()  # evicted only when nothing else can go (the plan places them here)
         self.active: frozenset[Uid] = frozenset()
         self.counters = PoolCounters()
         self.recent_load_seconds: deque[float] = deque(maxlen=4096)  # drained by metrics exporters
@@ -208,6 +209,14 @@ class LoRAMemoryPool:
                     policy.mark_used(uid)
             self.eviction_policy = policy
 
+    def keep(self, uids: Iterable[str]) -> None:
+        """Adapters to evict last: a victim is chosen among the others first (the policy's order), and
+        among these only when no other adapter can go. Unlike a pin it holds no slot and refuses nothing;
+        the worker keeps what the fleet's placement plan puts on this replica, so traffic the plan could
+        not place churns the remaining slots instead of evicting placements that will be asked for again."""
+        with self._lock:
+            self.kept = frozenset(u for u in uids if u is not None)
+
     # ------------------------------------------------------------------ pinning
 
     def pin(self, uid: str) -> int:
@@ -290,7 +299,8 @@ class LoRAMemoryPool:
             raise NoEvictableSlotError(
                 f"all {self.slots} slots hold pinned adapters or adapters of the running batch"
             )
-        victim = self.eviction_policy.select_victim(candidates)
+        unkept = {u for u in candidates if u is not None and u not in self.kept}
+        victim = self.eviction_policy.select_victim(unkept or candidates)
         slot = self.uid_to_slot[victim]
         self._free(slot, victim)
         if victim is not None:

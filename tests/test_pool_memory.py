@@ -264,3 +264,24 @@ def test_bad_construction_arguments():
         LoRAMemoryPool(SHAPE, 2, 0, WeightBank({}))
     with pytest.raises(ValueError):
         make_pool(policy="mru")
+
+
+def test_kept_adapters_are_evicted_last_and_refuse_nothing():
+    pool, _ = make_pool(slots=3)
+    for uid in "ABC":  # LRU order A (oldest), B, C
+        pool.prepare_lora_batch([uid])
+    pool.release_batch()
+    pool.keep(["A", "B"])  # the plan places A and B here
+    pool.prepare_lora_batch(["D"])
+    assert "C" not in pool.uid_to_slot and {"A", "B", "D"} <= set(pool.uid_to_slot)  # C went, not LRU's A
+    pool.release_batch()
+    pool.keep(["A", "B", "D"])  # everything kept: the policy's order decides among them all
+    pool.prepare_lora_batch(["E"])
+    assert "A" not in pool.uid_to_slot
+    check_invariants(pool)
+    pool.release_batch()
+    pool.pin("B")
+    pool.keep(["B", "D", "E"])
+    pool.prepare_lora_batch(["A"])  # a kept adapter may still go when nothing else can; a pinned one never
+    assert "B" in pool.uid_to_slot and "A" in pool.uid_to_slot
+    check_invariants(pool)

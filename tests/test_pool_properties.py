@@ -36,8 +36,14 @@ class PoolMachine(RuleBasedStateMachine):
     def prepare(self, uids, keep_running):
         cur = set(uids) | (set(self.pool.active) if keep_running else set())
         valid = self.pool.validate_lora_batch(cur) and "unknown" not in cur
+        evictable_unkept = {u for u in self.pool.uid_to_slot if u is not None and u not in cur
+                            and u not in self.pool.pinned and u not in self.pool.kept}
+        kept_before = {u for u in self.pool.kept if self.pool.is_resident(u)}
         result, ok = self._attempt(self.pool.prepare_lora_batch, cur)
         assert ok == valid
+        if ok and any(not self.pool.is_resident(u) for u in kept_before - cur):
+            # a kept adapter went: then no adapter that was not kept could have gone instead
+            assert not any(self.pool.is_resident(u) for u in evictable_unkept)
         if ok:
             assert set(result) == cur
             assert self.pool.active == frozenset(cur)
@@ -68,6 +74,13 @@ class PoolMachine(RuleBasedStateMachine):
         _, ok = self._attempt(self.pool.unpin, uid)
         if ok:
             assert uid not in self.pool.pinned
+
+    @rule(uids=st.sets(st.sampled_from(NAMES), max_size=5))
+    def keep(self, uids):
+        """Kept adapters change only which victim goes first: validity and refusals stay the same (the
+        ``prepare`` rule checks them), and a victim is never kept while an unkept adapter could go."""
+        self.pool.keep(uids)
+        assert self.pool.kept == frozenset(uids)
 
     @rule(uid=UIDS)
     def unload(self, uid):

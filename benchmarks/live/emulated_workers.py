@@ -77,13 +77,16 @@ class EmulatedLoRAWorker(LoRAWorker.func_or_class):
         return {"replica_id": self.replica_id, **self.emulation.stats(), **self.mux.counts(),
                 "loads": self.engine.pool_snapshot().counters.loads}
 
-    def reset_adapters(self, target: Optional[ReplicaTarget] = None, prefetch: bool = False) -> dict:
+    def reset_adapters(self, target: Optional[ReplicaTarget] = None, follow_plan: bool = False) -> dict:
         """Drop every adapter from the slots and the host tier (the next variant starts as cold as the
-        first); ``target`` first, so the affinity router delivers it to that replica. ``prefetch``: whether
-        the plan's read-ahead stays on (off for routers that do not follow the plan: its loads are not theirs)."""
+        first); ``target`` first, so the affinity router delivers it to that replica. ``follow_plan``: whether
+        the replicas follow the plan (read-ahead, evicting its adapters last): off for routers that do not
+        follow it (its loads are not theirs)."""
         if target is not None and target.target_replica != self.replica_id:
             raise RuntimeError(f"reset for {target.target_replica} reached replica {self.replica_id}")
-        self.args = self.args.model_copy(update={"prefetch_planned_adapters": prefetch})
+        self.args = self.args.model_copy(update={"replicas_follow_plan": follow_plan})
+        if not follow_plan:
+            self.engine.keep_adapters(())
         uids = self.engine.store.uids()
         for uid in uids:
             self.engine.unregister_uid(uid, 0.0)
