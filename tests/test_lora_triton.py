@@ -1,7 +1,8 @@
 """The segmented Triton LoRA kernels (split-K shrink, fused slices) equal the torch segment loop: random shapes,
 prefill and decode, 1-16 segments, fp32 and bf16 (Triton's interpreter on the CPU, compiled on CUDA).
 
-Tolerances: fp32 1e-4 (the two paths sum in different orders). bf16: the largest difference is at most
+Tolerances: fp32 1e-4 of the largest output magnitude (the two paths sum in different orders; outputs reach
+a few hundred, where fp32 keeps about 5 decimals after the point). bf16: the largest difference is at most
 ``BF16_TOL`` (2^-5, 8 bf16 ulps) of the largest output magnitude: bf16 keeps 8 significant bits, both paths
 round the shrink result to bf16 before expanding it and torch's CPU path rounds its product again before adding
 it, so they differ by a few roundings of sums of that size (the worst of 60 random cases measured 3.2 ulps). A
@@ -58,8 +59,9 @@ def torch_path(x, a_buffers, bt_buffers, segments, outs):
 
 
 def assert_matches(got: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
-    if dtype == torch.float32:
-        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    if dtype == torch.float32:  # 1e-4 of the output's scale: at |out| ~ 100 a different summation order alone
+        scale = max(1.0, expected.abs().max().item())  # moves the 6th digit (1.4e-4 seen at one element)
+        torch.testing.assert_close(got, expected, atol=1e-4 * scale, rtol=1e-4)
         return
     worst = (got.float() - expected.float()).abs().max().item()
     assert worst <= BF16_TOL * max(1.0, expected.float().abs().max().item()), worst
