@@ -61,6 +61,7 @@ class Router(ABC):
     name = "base"
     uses_view = False
     waits_for_capacity = False  # True: a request it cannot place now waits for a completion, not a backoff
+    multiplexed_worker = False  # True: its replicas run the multiplexing baseline's worker (Serve's model LRU)
 
     def __init__(self, sim: Fleet):
         self.sim = sim
@@ -154,6 +155,7 @@ class MultiplexRouter(_ViewRouter):
     """Ray Serve's multiplexed-model routing (see the module docstring)."""
 
     name = "multiplex"
+    multiplexed_worker = True
 
     def __init__(self, sim: Fleet):
         super().__init__(sim)
