@@ -104,6 +104,9 @@ class Simulator:
         self.retries = 0
         self.waiting: deque[SimRequest] = deque()  # requests waiting for capacity (routers that wait)
         self.routing_tasks = max(config.routing_tasks_per_replica * config.replicas, config.routing_tasks_min)
+        self.requests: list[SimRequest] = []
+        self.done = 0
+        self._started = False
 
     # ------------------------------------------------------------------ plumbing
 
@@ -216,23 +219,33 @@ class Simulator:
     # ------------------------------------------------------------------ loop
 
     def run(self) -> SimResult:
+        """The whole trace from ``t = 0``, then its statistics."""
         started = time.perf_counter()
-        t = self.trace
-        ranks = t.ranks
-        adapters = t.adapters.tolist()
-        arrivals = t.arrivals.tolist()
-        ins, outs = t.input_lens.tolist(), t.output_lens.tolist()
-        n = len(adapters)
-        self.requests = reqs = [SimRequest(i, adapter_uid(a), arrivals[i], ins[i], outs[i], int(ranks[a]))
-                                for i, a in enumerate(adapters)]
-        self.done = 0
-        if self.feed is not None:
-            self._push(self.config.lag_s, _SYNC, None)
-            self.feed.start(self.router)
-        heap = self.heap
+        self.serve(self.trace)
+        return self._result(time.perf_counter() - started)
+
+    def serve(self, trace: Trace, t0: float = 0.0) -> list[SimRequest]:
+        """Replay ``trace`` (arrivals shifted by ``t0``) on the fleet as it stands, until every request so
+        far has finished; returns its requests. Called again, it continues the same fleet (pools, views
+        and routers keep their state): a benchmark's segments one after another."""
+        if t0 < self.now:
+            raise ValueError(f"a trace cannot start at {t0} s, before the simulator's clock ({self.now} s)")
+        base = len(self.requests)
+        adapters = trace.adapters.tolist()
+        arrivals = [t0 + a for a in trace.arrivals.tolist()]
+        ins, outs = trace.input_lens.tolist(), trace.output_lens.tolist()
+        reqs = [SimRequest(base + k, uid, arrivals[k], ins[k], outs[k], self.ranks[uid])
+                for k, uid in enumerate(adapter_uid(a) for a in adapters)]
+        self.requests += reqs
+        if not self._started:
+            self._started = True
+            if self.feed is not None:
+                self._push(self.config.lag_s, _SYNC, None)
+                self.feed.start(self.router)
+        heap, n, total = self.heap, len(reqs), len(self.requests)
         nxt = 0
         pop = heapq.heappop
-        while self.done < n:
+        while self.done < total:
             if nxt < n and (not heap or arrivals[nxt] <= heap[0][0]):
                 req = reqs[nxt]
                 nxt += 1
@@ -248,7 +261,7 @@ class Simulator:
             else:
                 self._sync()
                 self._push(when + self.config.lag_s, _SYNC, None)
-        return self._result(time.perf_counter() - started)
+        return reqs
 
     def _result(self, wall: float) -> SimResult:
         cfg = self.config
