@@ -127,8 +127,22 @@ class Simulator:
         heapq.heappush(self.heap, (t, self._seq, kind, obj))
 
     def _sync(self) -> None:
-        """Deliver events at least ``lag_s`` old to the directory; the router pulls the delta."""
+        """Deliver events at least ``lag_s`` old to the directory (and, once a second, the routable
+        replicas' heartbeats); the router pulls the delta."""
+        if self.feed.heartbeat_due():
+            for i in self.routable:
+                replica = self.replicas[i]
+                self.feed.heartbeat(replica.rid, replica.heartbeat())
         self.feed.sync(self.router)
+
+    def _push_model_ids(self, taken: Optional[list] = None) -> None:
+        """Serve's two 100 ms loops (``lag_s``): each replica pushes its model ids to the controller
+        (``PUSH_MULTIPLEXED_MODEL_IDS_INTERVAL_S``), whose next control loop broadcasts them to the
+        routers (``CONTROL_LOOP_INTERVAL_S``): a router routes on ids one to two ticks old."""
+        if taken is not None:
+            self.router.model_ids_pushed(taken)
+        now_ids = [self.replicas[i].model_ids() for i in self.routable]
+        self.at(self.now + self.config.lag_s, lambda: self._push_model_ids(now_ids))
 
     def at(self, t: float, action: Callable[[], None]) -> None:
         """Call ``action()`` at simulated time ``t`` (replica steps and reads, scale events)."""
@@ -242,6 +256,8 @@ class Simulator:
             if self.feed is not None:
                 self._push(self.config.lag_s, _SYNC, None)
                 self.feed.start(self.router)
+            if self.router.wants_model_ids:
+                self._push_model_ids()
         heap, n, total = self.heap, len(reqs), len(self.requests)
         nxt = 0
         pop = heapq.heappop

@@ -37,6 +37,7 @@ from typing import Callable, Optional, Protocol
 from engine.scheduler import Scheduler
 from pool.memory_pool import LoRAMemoryPool, batch_order
 from pool.shapes import LoRAModelShape
+from routing.load_timings import LoadTimings
 
 from .config import SimConfig, SimRequest
 from .costs import CostModel
@@ -121,6 +122,8 @@ class SimReplica:
         self.copy_s = 0.0
         self.disk_s = 0.0
         self.steps = 0
+        self.timings = LoadTimings()  # the worker's measured load seconds, reported in its heartbeat
+        self.max_batch = config.max_batch
         self._gen = 0                      # bumps when a scheduled step end is superseded
         self._stepping = False
         self._plan: list[tuple[SimRequest, int]] = []
@@ -158,6 +161,7 @@ class SimReplica:
         self.loop.at(self.loop.now + seconds, lambda: self._read_done(uid))
 
     def _read_done(self, uid: str) -> None:
+        self.timings.observe_disk(self.costs.disk_read_s(self.ranks[uid]))
         self.host.put(uid, self.costs.adapter_bytes(self.ranks[uid]))
         waiters = self.reading.pop(uid, ())
         for req in waiters:
@@ -165,7 +169,22 @@ class SimReplica:
         if not waiters:  # a background re-read: the requeued requests may go now
             self._wake()
 
+    def heartbeat(self) -> dict:
+        """What the live worker's heartbeat tells the directory besides busy seconds
+        (``LoRAWorker._state_extras``): routers price a load on this replica by it (a host copy
+        where the adapter is host-cached or being read, else a disk read; both as measured here)."""
+        self.timings.observe_pool(self.copies, self.copy_s)
+        return {"queue_len": len(self.sched), "host_cached": sorted(self.host.entries),
+                "loading": sorted(self.reading), "rows": self.max_batch, "load_s": self.timings.report()}
+
     # ------------------------------------------------------------------ multiplexing baseline
+
+    def model_ids(self) -> frozenset[str]:
+        """The multiplexer's loaded models plus those loading or waiting for its lock (Serve pushes both)."""
+        loading = {r.uid for r in self.mux_queue}
+        if self.mux_loading is not None:
+            loading.add(self.mux_loading.uid)
+        return frozenset(self.models).union(loading)
 
     def _mux_pump(self) -> None:
         """Serve's wrapper: one load at a time, FIFO; a model loaded meanwhile is used at once."""
