@@ -8,21 +8,23 @@ busy seconds reach the directory as the workers' heartbeats carry them, and once
 and loading adapters, measured load seconds, queue length; ``LoRAWorker._state_extras``), by
 which the live router prices a load as a host copy or a disk read; and every
 ``plan_interval_s`` the directory re-plans placement (``routing.plan``, as the live directory
-does once a second); a changed plan rides on the next reply.
+does once a second, over every registered adapter: each has a planned home before its first
+request); a changed plan rides on the next reply.
 """
 
 from __future__ import annotations
 
 from collections import Counter, deque
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
 
 from routing.directory import AdapterDirectory
 
 
 class DirectoryFeed:
     def __init__(self, clock: Callable[[], float], lag_s: float, rows: int, plan_interval_s: float = 1.0,
-                 heartbeat_interval_s: float = 1.0):
+                 heartbeat_interval_s: float = 1.0, registered: Sequence[str] = ()):
         self.clock = clock
+        self.registered = tuple(registered)  # every adapter that exists: the live directory plans them all
         self.heartbeat_interval_s = heartbeat_interval_s
         self._heartbeat_at = float("-inf")
         self.lag_s = lag_s
@@ -86,7 +88,7 @@ class DirectoryFeed:
                 d.heartbeat(rid, busy_s=seconds)
         if self.clock() - self._planned_at >= self.plan_interval_s:
             self._planned_at = self.clock()
-            d.update_plan()
+            d.update_plan(registered=self.registered)
         version, changes = d.changes_since(self.version)
         if changes is None:
             reply = {"epoch": "sim", "version": version, "full": d.full_view()}

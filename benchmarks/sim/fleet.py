@@ -91,7 +91,8 @@ class Simulator:
         self.directory: Optional[AdapterDirectory] = None
         self._listener = None
         if self.router.uses_view:
-            self.feed = DirectoryFeed(lambda: self.now, config.lag_s, config.max_batch)
+            self.feed = DirectoryFeed(lambda: self.now, config.lag_s, config.max_batch,
+                                      registered=[adapter_uid(a) for a in range(trace.num_adapters)])
             self.directory = self.feed.directory
             self._listener = self.feed.on_pool_event
         self.replicas = [self._replica(i, rid) for i, rid in enumerate(self.ids)]

@@ -24,8 +24,9 @@ module charges the same times at the same points:
   computed gets a token (the first ends its prompt: its TTFT); one with ``out_len`` tokens ends.
 
 Decode-only stretches (no prefill, no copy, nothing admissible) are identical steps, so they
-are simulated as one event of ``k`` steps, cut at the next step boundary when a request is
-submitted meanwhile: the same times as stepping one by one, at a fraction of the events.
+are simulated as one event of ``k`` steps, cut at the next step boundary when the engine's
+state changes meanwhile (a request submitted, a slot freed): the same times as stepping one by
+one, at a fraction of the events.
 """
 
 from __future__ import annotations
@@ -128,6 +129,7 @@ class SimReplica:
         self._stepping = False
         self._plan: list[tuple[SimRequest, int]] = []
         self._macro: Optional[tuple[float, int]] = None  # (start, steps) of a decode-only stretch
+        self._aged: Optional[SimRequest] = None  # the request this step's admission found blocked
 
     # ------------------------------------------------------------------ arrival at the worker
 
@@ -206,6 +208,7 @@ class SimReplica:
     def _unload(self, uid: str) -> None:
         self.pool.remove(uid)
         self.host.remove(uid)
+        self._wake()  # a freed slot: the next step boundary may admit a request it blocked
 
     def _mux_register(self, req: SimRequest) -> None:
         uid = req.uid
@@ -253,7 +256,9 @@ class SimReplica:
 
     def _start_step(self) -> None:
         sched, pool, costs, now = self.sched, self.pool, self.costs, self.loop.now
+        before = [(r, r.blocked_steps) for r in sched.waiting]
         admitted = sched.admit()
+        self._aged = next((r for r, b in before if r.blocked_steps > b), None)  # the blocked head, if any
         for req in admitted:
             req.t_admit = now
         if admitted and not self.multiplexed:
@@ -305,27 +310,16 @@ class SimReplica:
                 self.reading[uid] = []
                 self._read(uid, None)
 
-    def _age_blocked(self, start: float, steps: int) -> None:
-        """Each step of a decode-only stretch tried to admit what waited before it began (and admitted
-        nothing: the state was the same); those tries age a blocked head as stepping one by one would."""
-        waiting = self.sched.waiting
-        late: list[SimRequest] = []
-        while waiting and waiting[-1].t_submit > start:  # submitted during the stretch: not yet seen
-            late.append(waiting.pop())
-        for _ in range(steps if waiting else 0):
-            if self.sched.admit():
-                raise AssertionError("a decode-only stretch admitted a request: its state changed")
-        waiting.extend(reversed(late))
-
     def _end_step(self, gen: int) -> None:
         if gen != self._gen:
             return  # superseded: a submission cut the stretch short
         now = self.loop.now
         finished: list[SimRequest] = []
         if self._macro is not None:
-            start, steps = self._macro
+            steps = self._macro[1]
             self.steps += steps
-            self._age_blocked(start, steps - 1)
+            if self._aged is not None and self._aged in self.sched.waiting:
+                self._aged.blocked_steps += steps - 1  # each step of the stretch found it blocked again
             for req in self.sched.running:
                 req.generated += steps
                 req.num_computed += steps
