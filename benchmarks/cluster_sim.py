@@ -8,9 +8,13 @@ project's own ``LoRAMemoryPool`` (slots, LRU eviction, events; no tensors) and
 ``engine.scheduler.Scheduler`` (admission while the batch's adapters fit the slots), the
 pools' events reach a real ``AdapterDirectory`` after a lag, and "affinity" (this project's
 router) decides with ``routing.view.RouterView`` + ``routing.policy.choose_replicas``.
-Costs are modelled: adapter loads from ``benchmarks.swap``'s measured seconds (host tier
-vs disk, by rank), prefill and decode per token, ``max_batch`` running requests and
-``slots`` adapters per replica. Baselines: Ray Serve multiplexing's logic, least-loaded,
+Costs are ``benchmarks.sim.costs.CostModel``'s, charged as the engine pays them
+(``benchmarks/sim/replica.py``, the same time model ``fleet_live``'s emulated GPU sleeps):
+a disk read (``benchmarks.swap``'s measured seconds by rank) delays only its requester, a
+host-to-slot copy stalls the replica's step, prefill is chunked under the token budget,
+one decode token per step; ``max_batch`` running requests and ``slots`` adapters per
+replica; multiplexing's replicas run Serve's model LRU (a load is a registration, an unload
+drains). Baselines: Ray Serve multiplexing's logic, least-loaded,
 plain consistent hashing, random. Workloads from ``benchmarks.traces``: S-LoRA power-law
 popularity, gamma arrivals, ranks 8-64. Metrics over the requests after a warm-up.
 
@@ -388,8 +392,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    f"alpha {s0['alpha'] if experiment != 'skew' else 'varied'}, CV {s0['cv'] if experiment != 'cv' else 'varied'}, "
                    f"load {s0['load'] if experiment != 'load' else 'varied'}, lag {s0['lag_s'] * 1e3:g} ms, "
                    f"{s0['requests']} measured requests each. Seconds: ttft (arrival -> first token), e2e, "
-                   f"queue (arrival -> admitted to a batch), load_seconds (replica stall spent loading, summed); "
-                   f"slot_waited = share that waited at the replica for an adapter slot; wall = simulator CPU s"))
+                   f"queue (arrival -> admitted to a batch), load_seconds (disk reads the requests "
+                   f"waited for + slot copies their batches stalled for, summed); slot_waited = share that waited "
+                   f"in the engine's queue for a row or an adapter slot; wall = simulator CPU s"))
 
     st = stale_rows(rows)
     if st:
