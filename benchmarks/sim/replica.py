@@ -261,7 +261,7 @@ class SimReplica:
         self._aged = next((r for r, b in before if r.blocked_steps > b), None)  # the blocked head, if any
         for req in admitted:
             req.t_admit = now
-        if admitted and not self.multiplexed:
+        if admitted:
             self._restage(admitted)
         if not sched.running:
             self._stepping = False
