@@ -179,3 +179,16 @@ def test_cluster_sim_takes_a_fleet_live_json(tmp_path, capsys):
     path.write_text(json.dumps({"metadata": {"benchmark": "fleet_live", "settings": settings}, "rows": swapped}))
     goal = cluster_sim.live_check([str(path)])[1]
     assert goal["pass"] is False and goal["measured"] == 0.5  # the loads pair flipped; the p99 pair did not
+
+
+def test_a_fresh_affinity_deployment_warm_starts_the_plan_and_a_viewless_one_does_not():
+    from benchmarks.sim.scale_events import warm_start_at_deploy
+
+    trace = hand_trace([(0.0, a, 10, 1) for a in range(40)], ranks=[8] * 40)
+    sim = Simulator(trace, SimConfig(replicas=4, router="affinity", slots=4, warmup_fraction=0.0))
+    plans = warm_start_at_deploy(sim)
+    assert len(plans) == 4 and all(0 < len(p.slots) <= 3 for p in plans)
+    for plan, replica in zip(plans, sim.replicas):
+        assert set(replica.pool.uid_to_slot) == set(plan.slots)
+        assert set(plan.slots) | set(plan.host) <= set(replica.host.entries)  # read before traffic
+    assert warm_start_at_deploy(Simulator(trace, SimConfig(replicas=4, router="pow2"))) == []

@@ -6,9 +6,11 @@ each segment's requests exactly as ``fleet_live.segment_trace`` does from the ru
 and replays every variant on its own simulated fleet, segment after segment (pools, host
 tiers, views and routers carry over, as on the live deployment):
 
-- ``affinity`` on a fresh deployment (its warm start finds an empty directory: nothing to
-  load), ``pow2`` and ``hash`` after ``reset_adapters`` (every pool and host tier empty), and
-  ``multiplexed`` on its own fresh app: each variant starts cold;
+- ``affinity`` on a fresh deployment: before traffic each replica warm-starts
+  (``LoRAWorker._warm_up``) with what the directory's plan, which places every registered
+  adapter, would put on it (``scale_events.warm_start_at_deploy``); ``pow2`` and ``hash`` run
+  after ``reset_adapters`` (every pool and host tier empty) and ``multiplexed`` on its own fresh
+  app: those start cold;
 - the modelled ranks are the ones the live replicas are given (``fleet_live.adapter_ranks``:
   the seed's draw, the same for every segment);
 - the host tier never evicts: the live workers keep 1 GiB of the demo's adapters, a few kB
@@ -35,11 +37,13 @@ from .config import SimConfig, SimRequest
 from .costs import CostModel
 from .fleet import Simulator
 from .fleet_agreement import agreement_with_live
+from .scale_events import warm_start_at_deploy
 
 __all__ = ["agreement_with_live", "live_starts", "replay_fleet_live", "replay_variant"]
 
 VARIANT_ROUTER = {"affinity": "affinity", "multiplexed": "multiplex", "pow2": "pow2", "hash": "hash"}
 LIVE_LAG_S = {"affinity": 0.02, "multiplexed": 0.1}  # pool change -> the router's view (see the docstring)
+WARM_STARTED = ("affinity",)  # deployed fresh: its workers' warm start runs; the others start empty
 SEGMENT_GAP_S = 0.5  # benchmarks.fleet_live.Fleet.replay: the client starts sending 0.5 s after the call
 
 
@@ -96,6 +100,8 @@ def replay_variant(settings: Mapping, variant: str, starts: Optional[Mapping[str
                        max_batch=args.rows, lag_s=LIVE_LAG_S.get(variant, 0.1), seed=int(args.seed), costs=costs,
                        warmup_fraction=0.0)
     sim = Simulator(first, config)
+    if variant in WARM_STARTED:
+        warm_start_at_deploy(sim)
     rows, end = [], 0.0
     for seg, trace in zip(segments, traces):
         live_t0 = (starts or {}).get(seg.name, 0.0 if not seg.measured and starts else None)
