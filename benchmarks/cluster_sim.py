@@ -8,9 +8,13 @@ project's own ``LoRAMemoryPool`` (slots, LRU eviction, events; no tensors) and
 ``engine.scheduler.Scheduler`` (admission while the batch's adapters fit the slots), the
 pools' events reach a real ``AdapterDirectory`` after a lag, and "affinity" (this project's
 router) decides with ``routing.view.RouterView`` + ``routing.policy.choose_replicas``.
-Costs are modelled: adapter loads from ``benchmarks.swap``'s measured seconds (host tier
-vs disk, by rank), prefill and decode per token, ``max_batch`` running requests and
-``slots`` adapters per replica. Baselines: Ray Serve multiplexing's logic, least-loaded,
+Costs are ``benchmarks.sim.costs.CostModel``'s, charged as the engine pays them
+(``benchmarks/sim/replica.py``, the same time model ``fleet_live``'s emulated GPU sleeps):
+a disk read (``benchmarks.swap``'s measured seconds by rank) delays only its requester, a
+host-to-slot copy stalls the replica's step, prefill is chunked under the token budget,
+one decode token per step; ``max_batch`` running requests and ``slots`` adapters per
+replica; multiplexing's replicas run Serve's model LRU (a load is a registration, an unload
+drains). Baselines: Ray Serve multiplexing's logic, least-loaded,
 plain consistent hashing, random. Workloads from ``benchmarks.traces``: S-LoRA power-law
 popularity, gamma arrivals, ranks 8-64. Metrics over the requests after a warm-up.
 
@@ -20,14 +24,16 @@ MIN over one cache with all the fleet's slots), and the elastic fleet is simulat
 ``routing.warm_start`` plans it, and a bursty diurnal day autoscaled by ``routing.autoscale``'s
 adapter-aware and queue-only rules (``--skip-elastic`` leaves these out).
 
-With ``--live-json`` (a ``routing_live --json`` run) it also simulates that run's cells
-with ``benchmarks.sim.cpu_fleet`` (the live setup: closed-loop clients, engines and the
-control plane sharing the machine's cores, each router's measured CPU per request
-charged) and checks that the simulation ranks the variants as the live run did
-(``sim_reproduces_live_ranking``): only then should it be used to tune anything.
+With ``--live-json`` it also simulates live runs and checks that the simulation ranks the
+variants as each live run did (``sim_reproduces_live_ranking``, over every run given): only
+then should it be used to tune anything. A ``routing_live --json`` run is simulated with
+``benchmarks.sim.cpu_fleet`` (its setup: closed-loop clients, engines and the control plane
+sharing the machine's cores, each router's measured CPU per request charged); a
+``fleet_live --json`` run is replayed by ``benchmarks.sim.fleet_replay`` (the same segments on
+this simulator, whose time model is the emulated GPU's), with issue 25's per-cell tolerances.
 
-    python -m benchmarks.cluster_sim [--quick] [--json PATH] [--plot PATH] [--workers N] [--live-json PATH]
-                                     [--skip-elastic]
+    python -m benchmarks.cluster_sim [--quick] [--json PATH] [--plot PATH] [--workers N]
+                                     [--live-json PATH [PATH ...]] [--skip-elastic]
 """
 
 from __future__ import annotations
@@ -277,14 +283,11 @@ def plot(rows: Sequence[dict], path) -> None:
     plt.close(fig)
 
 
-def live_check(path: str) -> tuple[list[dict], dict]:
-    """Simulate a routing_live run's cells (``benchmarks.sim.live_check``); the ranking goal."""
-    import json
-
+def routing_live_check(path: str, live: dict) -> tuple[list[dict], int, int]:
+    """Simulate a routing_live run's cells (``benchmarks.sim.live_check``): (rows, pairs alike, pairs ordered)."""
     from .sim.cpu_fleet import CpuFleetConfig, measure_engine_steps
     from .sim.live_check import ranking_agreement, simulate_live
 
-    live = json.loads(open(path).read())
     step_base, step_per_seq = measure_engine_steps()
     rows = simulate_live(live, step_base, step_per_seq)
     print()
@@ -297,9 +300,43 @@ def live_check(path: str) -> tuple[list[dict], dict]:
     agreed, ordered, wrong = ranking_agreement(rows)
     for line in wrong:
         print(f"  disagrees: {line}")
+    return rows, agreed, ordered
+
+
+def fleet_live_check(path: str, live: dict) -> tuple[list[dict], int, int]:
+    """Replay a fleet_live run (``benchmarks.sim.fleet_replay``): (agreement rows, pairs alike, pairs ranked)."""
+    from .sim.fleet_replay import agreement_with_live, live_starts, replay_fleet_live
+
+    live_rows = live["rows"]
+    variants = sorted({r["variant"] for r in live_rows})
+    sim_rows = replay_fleet_live(live["metadata"]["settings"], variants, starts=live_starts(live_rows))
+    agreement = agreement_with_live(live_rows, sim_rows)
+    print()
+    common.print_table(agreement["rows"], floatfmt=".0f",
+                       title=f"== fleet_live replayed ({path}): live vs sim loads and TTFT ms, within 10% / 25%")
+    for r in agreement["rankings"]:
+        if not r["same"]:
+            print(f"  disagrees: {r['segment']} {r['metric']}: live {r['live']}, sim {r['sim']}")
+    print(f"  {agreement['summary']}")
+    return agreement["rows"], agreement["pairs_ok"], agreement["pairs"]
+
+
+def live_check(paths: Sequence[str]) -> tuple[list[dict], dict]:
+    """Simulate each live run (``routing_live`` or ``fleet_live`` JSON); the ranking goal over all of them."""
+    import json
+
+    rows: list[dict] = []
+    agreed = ordered = 0
+    for path in paths:
+        live = json.loads(open(path).read())
+        check = fleet_live_check if live["metadata"].get("benchmark") == "fleet_live" else routing_live_check
+        more, a, o = check(path, live)
+        rows += [{"source": path, **r} for r in more]
+        agreed, ordered = agreed + a, ordered + o
     share = agreed / ordered if ordered else None
     return rows, common.goal("sim_reproduces_live_ranking", None if share is None else round(share, 3),
-                             "== 1.0 (share of live-ordered pairs)", None if share is None else agreed == ordered)
+                             "== 1.0 (share of live-ordered pairs, every --live-json run)",
+                             None if share is None else agreed == ordered)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -309,8 +346,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--per-replica", type=int, help="requests per replica (default 150; 200 with --quick)")
     parser.add_argument("--skip-overhead", action="store_true", help="do not time the routing decision")
     parser.add_argument("--skip-elastic", action="store_true", help="no scale-event or autoscaling runs")
-    parser.add_argument("--live-json", metavar="PATH",
-                        help="a routing_live --json run: simulate its cells and check the ranking matches")
+    parser.add_argument("--live-json", metavar="PATH", nargs="+",
+                        help="routing_live and/or fleet_live --json runs: simulate each and check the rankings match")
     parser.add_argument("--live-only", action="store_true", help="with --live-json: only that check")
     args = parser.parse_args(argv)
     if args.live_only:
@@ -355,8 +392,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    f"alpha {s0['alpha'] if experiment != 'skew' else 'varied'}, CV {s0['cv'] if experiment != 'cv' else 'varied'}, "
                    f"load {s0['load'] if experiment != 'load' else 'varied'}, lag {s0['lag_s'] * 1e3:g} ms, "
                    f"{s0['requests']} measured requests each. Seconds: ttft (arrival -> first token), e2e, "
-                   f"queue (arrival -> admitted to a batch), load_seconds (replica stall spent loading, summed); "
-                   f"slot_waited = share that waited at the replica for an adapter slot; wall = simulator CPU s"))
+                   f"queue (arrival -> admitted to a batch), load_seconds (disk reads the requests "
+                   f"waited for + slot copies their batches stalled for, summed); slot_waited = share that waited "
+                   f"in the engine's queue for a row or an adapter slot; wall = simulator CPU s"))
 
     st = stale_rows(rows)
     if st:

@@ -177,3 +177,15 @@ def test_a_live_run_is_simulated_cell_by_cell():
     assert len(out) == 6 and all(r["sim_req_per_s"] > 0 and r["live_req_per_s"] == live[r["variant"]] for r in out)
     assert {(r["cost"], r["variant"]) for r in out} == {(c, v) for c in costs for v in
                                                       ("affinity", "multiplexed", "pow2")}
+
+
+def test_the_multiplexing_router_routes_on_pushed_model_ids_in_both_loops():
+    """Serve's multiplexing prefers replicas whose pushed model ids hold the adapter: both event loops
+    push them, so some requests go to a holder (none would if the ids never arrived)."""
+    requests = build_requests(LiveSetting("skew", 12, 0.3), 200, seed=4)
+    fleet = CpuFleet(requests, 8, cpu_cfg("multiplexed"))
+    fleet.run()
+    assert fleet.router.kinds.get("holder", 0) > 0 and fleet.router.holders
+    sim = Simulator(small_trace(n=300), SimConfig(replicas=4, router="multiplex"))
+    sim.run()
+    assert sim.router.kinds.get("holder", 0) > 0

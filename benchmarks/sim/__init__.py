@@ -4,10 +4,13 @@ The simulated replicas run the project's own code: ``pool.memory_pool.LoRAMemory
 (no tensors) for slots and eviction, ``engine.scheduler.Scheduler`` for admission,
 ``routing.directory.AdapterDirectory`` fed by the pools' events after a lag, and
 ``routing.view.RouterView`` + ``routing.router_state.LocalRouterState`` +
-``routing.policy.choose_replicas`` for "our" router. Costs (adapter load, prefill, decode)
-are modelled in ``costs``; the baseline routers in ``routers`` are small implementations
-of other systems' logic, for comparison. ``cpu_fleet`` is ``routing_live``'s own setup
-(closed-loop clients, engines and control plane on shared cores) and ``live_check``
+``routing.policy.choose_replicas`` for "our" router. Costs (disk read, slot copy, prefill,
+decode) are ``costs.CostModel``'s, charged where the engine pays them (``replica``: the
+same time model ``benchmarks/live/emulated.py`` sleeps); the baseline routers in ``routers``
+are small implementations of other systems' logic, for comparison. ``fleet_replay`` replays
+a ``fleet_live`` run on this simulator and ``fleet_agreement`` judges the match.
+``cpu_fleet`` is ``routing_live``'s own setup (closed-loop clients, CPU-bound engines and
+control plane on shared cores: a different time model, kept apart) and ``live_check``
 compares it with a live run. ``fleet_bound`` is the lower bound on loads no router can beat;
 ``scale_events`` adds and removes replicas mid-run (cold or warm-started), ``autoscale`` drives
 the replica count with ``routing.autoscale``'s rules; ``scale_scenario``, ``autoscale_scenario``

@@ -35,18 +35,27 @@ class SimConfig:
 
 
 class SimRequest:
+    """One request through the fleet; ``num_tokens`` and ``num_computed`` are what ``engine.scheduler``
+    reads of a sequence (prompt plus tokens generated; leading tokens whose K/V are computed)."""
+
     __slots__ = ("i", "uid", "arrival", "in_len", "out_len", "rank", "blocked_steps", "attempt", "replica",
-                 "t_dispatch", "t_admit", "t_first", "t_done", "stall_seen", "loaded", "load_s", "disk", "mux_start", "mux_tried_first",
-                 "mux_tried_fewest", "waiting")
+                 "t_dispatch", "t_submit", "t_admit", "t_first", "t_done", "loaded", "load_s", "disk",
+                 "mux_start", "mux_tried_first", "mux_tried_fewest", "waiting", "num_computed", "generated")
 
     def __init__(self, i: int, uid: str, arrival: float, in_len: int, out_len: int, rank: int):
         self.i, self.uid, self.arrival, self.in_len, self.out_len, self.rank = i, uid, arrival, in_len, out_len, rank
         self.blocked_steps = 0
         self.attempt = 0
         self.replica = -1
-        self.t_dispatch = self.t_admit = self.t_first = self.t_done = self.stall_seen = 0.0
+        self.t_dispatch = self.t_submit = self.t_admit = self.t_first = self.t_done = 0.0
+        self.num_computed = 0
+        self.generated = 0
         self.loaded = self.disk = False
         self.load_s = 0.0
         self.mux_start: Optional[float] = None
         self.mux_tried_first = self.mux_tried_fewest = False
         self.waiting = False  # in the fleet's queue of requests waiting for capacity
+
+    @property
+    def num_tokens(self) -> int:
+        return self.in_len + self.generated

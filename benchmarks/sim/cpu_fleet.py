@@ -157,6 +157,7 @@ class CpuFleet:
         self.share_sum = self.share_n = 0.0
         self.loads = 0
         self.done = 0
+        self._model_ids: Optional[list[frozenset[str]]] = None
 
     # ------------------------------------------------------------------ plumbing
 
@@ -271,6 +272,17 @@ class CpuFleet:
             return self.cfg.disk_load_s
         return self.cfg.disk_load_s
 
+    def _sync(self) -> None:
+        """The directory's delta to a view router; to the multiplexing router, each replica's model ids
+        (its multiplexer's registered adapters) as they were one push earlier (Serve's 100 ms push,
+        then the controller's broadcast)."""
+        if self.feed is not None:
+            self.feed.sync(self.router)
+        if self.router.wants_model_ids:
+            if self._model_ids is not None:
+                self.router.model_ids_pushed(self._model_ids)
+            self._model_ids = [frozenset(r.registered) for r in self.replicas]
+
     def _finish(self, replica: _Replica, req: SimRequest) -> None:
         req.t_done = self.now
         replica.sched.finish(req)
@@ -299,6 +311,7 @@ class CpuFleet:
         self._cursor = 0
         if self.feed is not None:
             self.feed.start(self.router)
+        if self.feed is not None or self.router.wants_model_ids:
             self._push(self.cfg.lag_s, _SYNC, None)
         for _ in range(min(self.concurrency, len(self.requests))):
             self._next(None)
@@ -313,7 +326,7 @@ class CpuFleet:
             elif kind == _RETRY:
                 self._route(obj)
             else:
-                self.feed.sync(self.router)
+                self._sync()
                 self._push(when + self.cfg.lag_s, _SYNC, None)
         lat = np.array([r.t_done - r.arrival for r in self.requests]) * 1000.0
         first = min(r.arrival for r in self.requests)

@@ -3,22 +3,30 @@
 Pool events are buffered with their simulated time; ``sync`` hands the events at least
 ``lag_s`` old to a real ``AdapterDirectory`` and gives the router the directory's
 ``changes_since`` delta (a long poll returns only when there is news). Completed requests'
-busy seconds reach the directory as the workers' heartbeats carry them, and every
+busy seconds reach the directory as the workers' heartbeats carry them, and once every
+``heartbeat_interval_s`` each replica's heartbeat extras (``SimReplica.heartbeat``: host-cached
+and loading adapters, measured load seconds, queue length; ``LoRAWorker._state_extras``), by
+which the live router prices a load as a host copy or a disk read; and every
 ``plan_interval_s`` the directory re-plans placement (``routing.plan``, as the live directory
-does once a second); a changed plan rides on the next reply.
+does once a second, over every registered adapter: each has a planned home before its first
+request); a changed plan rides on the next reply.
 """
 
 from __future__ import annotations
 
 from collections import Counter, deque
-from typing import Callable
+from typing import Callable, Mapping, Sequence
 
 from routing.directory import AdapterDirectory
 
 
 class DirectoryFeed:
-    def __init__(self, clock: Callable[[], float], lag_s: float, rows: int, plan_interval_s: float = 1.0):
+    def __init__(self, clock: Callable[[], float], lag_s: float, rows: int, plan_interval_s: float = 1.0,
+                 heartbeat_interval_s: float = 1.0, registered: Sequence[str] = ()):
         self.clock = clock
+        self.registered = tuple(registered)  # every adapter that exists: the live directory plans them all
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self._heartbeat_at = float("-inf")
         self.lag_s = lag_s
         self.plan_interval_s = plan_interval_s
         self.directory = AdapterDirectory(clock=clock, replica_timeout_s=float("inf"))
@@ -52,6 +60,18 @@ class DirectoryFeed:
         router.apply_directory_reply({"epoch": "sim", "version": d.version, "full": d.full_view()})
         self.version = d.version
 
+    def heartbeat_due(self) -> bool:
+        """Whether the replicas' heartbeats are due now (once every ``heartbeat_interval_s``)."""
+        if self.clock() - self._heartbeat_at < self.heartbeat_interval_s:
+            return False
+        self._heartbeat_at = self.clock()
+        return True
+
+    def heartbeat(self, replica_id: str, extras: Mapping) -> None:
+        """A replica's heartbeat extras (its state beside the pool), as the live worker sends them."""
+        if replica_id in self.directory.replicas:
+            self.directory.heartbeat(replica_id, **extras)
+
     def sync(self, router) -> None:
         cutoff = self.clock() - self.lag_s
         pending = self.pending
@@ -68,7 +88,7 @@ class DirectoryFeed:
                 d.heartbeat(rid, busy_s=seconds)
         if self.clock() - self._planned_at >= self.plan_interval_s:
             self._planned_at = self.clock()
-            d.update_plan()
+            d.update_plan(registered=self.registered)
         version, changes = d.changes_since(self.version)
         if changes is None:
             reply = {"epoch": "sim", "version": version, "full": d.full_view()}

@@ -1,22 +1,16 @@
-"""The event loop: replicas with real pools and schedulers, a lagged directory feed, one router.
+"""The event loop: replicas that step like the engine, a lagged directory feed, one router.
 
-Per replica: a ``LoRAMemoryPool`` with ``LoRAModelShape(num_layers=0, modules={})`` (slots,
-eviction, pins and events, no tensors), an ``engine.scheduler.Scheduler`` (iteration-level
-admission while the batch's adapter set validates, up to ``max_batch`` running), and a
-host tier (LRU by bytes) that decides whether a miss costs a host copy or a disk read.
+Per replica (``replica.SimReplica``): the real ``LoRAMemoryPool`` (no tensors), the real
+``engine.scheduler.Scheduler`` with the token budget, a host tier, the worker's disk reads
+off the engine thread (or the multiplexing baseline's serialized registrations), and an
+engine that steps back to back under ``CostModel``'s times: the slot copies stall the step,
+the forward takes ``step_s(prefill tokens)``, a token per fed request at the step's end. That
+module's docstring is the time model; it is ``benchmarks/live/emulated.py``'s.
 
-Time model. Admission happens whenever something changes on a replica (an arrival or a
-completion); that is the scheduler's "step" (its bypass limit counts these).
-An admission prepares the batch's slots through the pool (its own victims), then stalls
-the replica for the adapter loads plus the new requests' prefill; every request running
-on the replica is delayed by every stall that happens while it runs (a completion event
-that finds new stall time since it was scheduled is pushed back by it). The new
-requests' first token comes when the stall ends; then one token per
-``decode_s_per_token``.
-
-Routing. ``ongoing`` (running + waiting per replica) is what Serve's queue-length probes
-report, exact. A replica at ``max_ongoing`` (= ``max_batch``) is full; a router that finds
-nothing backs off (25 ms doubling to 0.5 s, like Serve) and retries.
+Routing. ``ongoing`` (dispatched, not finished, per replica: a request waiting for its disk
+read holds its row) is what Serve's queue-length probes report, exact. A replica at
+``max_ongoing`` (= ``max_batch``) is full; a router that finds nothing backs off (25 ms
+doubling to 0.5 s, like Serve) and retries, or (the affinity router) waits for a completion.
 
 Staleness. Every pool event is buffered with its simulated time; every ``lag_s`` the
 events at least ``lag_s`` old go to a real ``AdapterDirectory`` in one batch, and the
@@ -28,64 +22,24 @@ from __future__ import annotations
 
 import heapq
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
-from engine.scheduler import Scheduler
 from pool.adapter import AdapterConfig, LoRAAdapterWeights
-from pool.memory_pool import LoRAMemoryPool, batch_order
-from pool.shapes import LoRAModelShape
 from routing.directory import AdapterDirectory
 
 from ..traces import Trace, adapter_uid
 from .config import SimConfig, SimRequest
 from .feed import DirectoryFeed
+from .replica import HostTier, SimReplica
 from .routers import ROUTERS
 
-_RETRY, _DONE, _SYNC, _CALL = 1, 2, 3, 4
+__all__ = ["HostTier", "SimReplica", "SimResult", "Simulator", "run_sim"]
 
-
-class HostTier:
-    """LRU by bytes, as ``pool.host_cache.HostAdapterCache`` (which needs real tensors to size entries)."""
-
-    def __init__(self, budget: float):
-        self.budget, self.used = budget, 0.0
-        self.entries: OrderedDict[str, float] = OrderedDict()
-
-    def fetch(self, uid: str, nbytes: float) -> bool:
-        """Whether ``uid`` came from the host tier; a disk read caches it (evicting LRU)."""
-        if uid in self.entries:
-            self.entries.move_to_end(uid)
-            return True
-        if nbytes <= self.budget:
-            while self.entries and self.used + nbytes > self.budget:
-                self.used -= self.entries.popitem(last=False)[1]
-            self.entries[uid] = nbytes
-            self.used += nbytes
-        return False
-
-
-class SimReplica:
-    __slots__ = ("idx", "rid", "pool", "sched", "host", "stall_total", "stall_end", "served", "load_s", "ongoing")
-
-    def __init__(self, idx: int, rid: str, config: SimConfig, fetch, listener):
-        self.idx, self.rid = idx, rid
-        self.pool = LoRAMemoryPool(LoRAModelShape(num_layers=0, modules={}), config.slots, config.max_lora_rank,
-                                   fetch, eviction_policy=config.eviction_policy, replica_id=rid)
-        if listener is not None:
-            self.pool.subscribe(listener)
-        pool = self.pool
-        self.sched: Scheduler[SimRequest] = Scheduler(pool.validate_lora_batch, lambda u: u in pool.pinned,
-                                                      config.max_batch, config.max_bypass_steps)
-        self.host = HostTier(config.costs.host_cache_bytes)
-        self.stall_total = 0.0
-        self.stall_end = 0.0
-        self.served = 0
-        self.load_s = 0.0
-        self.ongoing = 0  # dispatched here, not finished (routable or not)
+_RETRY, _SYNC, _CALL = 1, 3, 4
 
 
 @dataclass
@@ -101,10 +55,10 @@ class SimResult:
     ttft_p99: float
     e2e_p50: float
     e2e_p99: float
-    queue_p99: float         # arrival -> admitted into a batch (router backoff + waiting for a slot), p99
-    slot_waited: float       # share of measured requests that waited at the replica for an adapter slot
+    queue_p99: float         # arrival -> admitted into a batch (router wait + disk read + waiting for a row or slot), p99
+    slot_waited: float       # share of measured requests that waited in the engine's queue (rows or adapter slots)
     imbalance: float         # max / mean measured requests per replica
-    load_seconds: float      # modelled seconds of replica stall spent loading adapters (measured)
+    load_seconds: float      # modelled load seconds the measured requests caused: disk reads (their own wait) + slot copies (the batch's stall)
     disk_loads: int
     retries: int
     evictions: int
@@ -137,10 +91,11 @@ class Simulator:
         self.directory: Optional[AdapterDirectory] = None
         self._listener = None
         if self.router.uses_view:
-            self.feed = DirectoryFeed(lambda: self.now, config.lag_s, config.max_batch)
+            self.feed = DirectoryFeed(lambda: self.now, config.lag_s, config.max_batch,
+                                      registered=[adapter_uid(a) for a in range(trace.num_adapters)])
             self.directory = self.feed.directory
             self._listener = self.feed.on_pool_event
-        self.replicas = [SimReplica(i, rid, config, self._fetch, self._listener) for i, rid in enumerate(self.ids)]
+        self.replicas = [self._replica(i, rid) for i, rid in enumerate(self.ids)]
         if self.feed is not None:
             for replica in self.replicas:
                 self.feed.join(replica.rid, replica.pool.snapshot())
@@ -150,6 +105,9 @@ class Simulator:
         self.retries = 0
         self.waiting: deque[SimRequest] = deque()  # requests waiting for capacity (routers that wait)
         self.routing_tasks = max(config.routing_tasks_per_replica * config.replicas, config.routing_tasks_min)
+        self.requests: list[SimRequest] = []
+        self.done = 0
+        self._started = False
 
     # ------------------------------------------------------------------ plumbing
 
@@ -161,16 +119,34 @@ class Simulator:
                                                       target_modules=())
         return LoRAAdapterWeights(name=uid, config=cfg, a={}, bt={})
 
+    def _replica(self, idx: int, rid: str) -> SimReplica:
+        return SimReplica(idx, rid, self.config, self._fetch, self._listener, self, self.ranks,
+                          multiplexed=self.router.multiplexed_worker)
+
     def _push(self, t: float, kind: int, obj) -> None:
         self._seq += 1
         heapq.heappush(self.heap, (t, self._seq, kind, obj))
 
     def _sync(self) -> None:
-        """Deliver events at least ``lag_s`` old to the directory; the router pulls the delta."""
+        """Deliver events at least ``lag_s`` old to the directory (and, once a second, the routable
+        replicas' heartbeats); the router pulls the delta."""
+        if self.feed.heartbeat_due():
+            for i in self.routable:
+                replica = self.replicas[i]
+                self.feed.heartbeat(replica.rid, replica.heartbeat())
         self.feed.sync(self.router)
 
-    def at(self, t: float, action) -> None:
-        """Call ``action()`` at simulated time ``t`` (scale events)."""
+    def _push_model_ids(self, taken: Optional[list] = None) -> None:
+        """Serve's two 100 ms loops (``lag_s``): each replica pushes its model ids to the controller
+        (``PUSH_MULTIPLEXED_MODEL_IDS_INTERVAL_S``), whose next control loop broadcasts them to the
+        routers (``CONTROL_LOOP_INTERVAL_S``): a router routes on ids one to two ticks old."""
+        if taken is not None:
+            self.router.model_ids_pushed(taken)
+        now_ids = [self.replicas[i].model_ids() for i in self.routable]
+        self.at(self.now + self.config.lag_s, lambda: self._push_model_ids(now_ids))
+
+    def at(self, t: float, action: Callable[[], None]) -> None:
+        """Call ``action()`` at simulated time ``t`` (replica steps and reads, scale events)."""
         self._push(t, _CALL, action)
 
     # ------------------------------------------------------------------ membership
@@ -178,7 +154,7 @@ class Simulator:
     def new_replica(self) -> SimReplica:
         """A replica that exists (its pool can load) but takes no traffic until ``set_routable`` names it."""
         idx = len(self.replicas)
-        replica = SimReplica(idx, f"replica-{idx:04d}", self.config, self._fetch, self._listener)
+        replica = self._replica(idx, f"replica-{idx:04d}")
         self.replicas.append(replica)
         if self.feed is not None:
             self.feed.join(replica.rid, replica.pool.snapshot())
@@ -209,64 +185,19 @@ class Simulator:
         req.replica = replica.idx
         req.t_dispatch = self.now
         self.ongoing[pos] += 1
-        replica.ongoing += 1
-        replica.sched.add(req)
-        self._admit(replica)
+        replica.dispatch(req)
 
-    def _admit(self, replica: SimReplica) -> None:
-        admitted = replica.sched.admit()
-        if not admitted:
-            return
-        pool = replica.pool
-        uids = replica.sched.running_uids()
-        missing = [u for u in batch_order(uids) if not pool.is_resident(u)]
-        pool.prepare_lora_batch(uids)
-        costs = self.config.costs
-        load_s: dict[str, tuple[float, bool]] = {}
-        for uid in missing:
-            rank = self.ranks[uid]
-            from_host = replica.host.fetch(uid, costs.adapter_bytes(rank))
-            load_s[uid] = (costs.load_seconds(rank, from_host), from_host)
-        stall = sum(s for s, _ in load_s.values())
-        for req in admitted:
-            s = load_s.pop(req.uid, None)
-            if s is not None:  # the first admitted request for a missing adapter caused its load
-                req.loaded, req.load_s, req.disk = True, s[0], not s[1]
-            stall += req.in_len * costs.prefill_s_per_token
-        replica.load_s += sum(r.load_s for r in admitted)
-        start = max(self.now, replica.stall_end)
-        replica.stall_end = start + stall
-        replica.stall_total += stall
-        decode = costs.decode_s_per_token
-        for req in admitted:
-            req.t_admit = self.now
-            req.t_first = replica.stall_end
-            req.stall_seen = replica.stall_total
-            self._push(replica.stall_end + req.out_len * decode, _DONE, req)
-
-    def _finish(self, req: SimRequest) -> None:
+    def request_finished(self, req: SimRequest) -> None:
+        """``req``'s last token came on its replica (which has done its own accounting): free its row."""
         replica = self.replicas[req.replica]
-        if replica.stall_total > req.stall_seen:  # stalls happened while it ran: later
-            self._push(self.now + replica.stall_total - req.stall_seen, _DONE, req)
-            req.stall_seen = replica.stall_total
-            return
-        req.t_done = self.now
-        replica.sched.finish(req)
-        replica.served += 1
-        replica.ongoing -= 1
         if len(self.routable) == len(self.replicas):  # every replica routable: position = index
             self.ongoing[replica.idx] -= 1
         elif replica.idx in self.routable:
             self.ongoing[self.routable.index(replica.idx)] -= 1
-        if replica.sched.running:
-            replica.pool.retain_batch(replica.sched.running_uids())
-        else:
-            replica.pool.release_batch()
         self.done += 1
         if self.feed is not None:
             self.feed.record_busy(replica.rid, req.uid, self.now - req.t_dispatch)
         self.router.finished(req)
-        self._admit(replica)
         if self.waiting:
             self._retry_waiting()
 
@@ -303,23 +234,35 @@ class Simulator:
     # ------------------------------------------------------------------ loop
 
     def run(self) -> SimResult:
+        """The whole trace from ``t = 0``, then its statistics."""
         started = time.perf_counter()
-        t = self.trace
-        ranks = t.ranks
-        adapters = t.adapters.tolist()
-        arrivals = t.arrivals.tolist()
-        ins, outs = t.input_lens.tolist(), t.output_lens.tolist()
-        n = len(adapters)
-        self.requests = reqs = [SimRequest(i, adapter_uid(a), arrivals[i], ins[i], outs[i], int(ranks[a]))
-                                for i, a in enumerate(adapters)]
-        self.done = 0
-        if self.feed is not None:
-            self._push(self.config.lag_s, _SYNC, None)
-            self.feed.start(self.router)
-        heap = self.heap
+        self.serve(self.trace)
+        return self._result(time.perf_counter() - started)
+
+    def serve(self, trace: Trace, t0: float = 0.0) -> list[SimRequest]:
+        """Replay ``trace`` (arrivals shifted by ``t0``) on the fleet as it stands, until every request so
+        far has finished; returns its requests. Called again, it continues the same fleet (pools, views
+        and routers keep their state): a benchmark's segments one after another."""
+        if t0 < self.now:
+            raise ValueError(f"a trace cannot start at {t0} s, before the simulator's clock ({self.now} s)")
+        base = len(self.requests)
+        adapters = trace.adapters.tolist()
+        arrivals = [t0 + a for a in trace.arrivals.tolist()]
+        ins, outs = trace.input_lens.tolist(), trace.output_lens.tolist()
+        reqs = [SimRequest(base + k, uid, arrivals[k], ins[k], outs[k], self.ranks[uid])
+                for k, uid in enumerate(adapter_uid(a) for a in adapters)]
+        self.requests += reqs
+        if not self._started:
+            self._started = True
+            if self.feed is not None:
+                self._push(self.config.lag_s, _SYNC, None)
+                self.feed.start(self.router)
+            if self.router.wants_model_ids:
+                self._push_model_ids()
+        heap, n, total = self.heap, len(reqs), len(self.requests)
         nxt = 0
         pop = heapq.heappop
-        while self.done < n:
+        while self.done < total:
             if nxt < n and (not heap or arrivals[nxt] <= heap[0][0]):
                 req = reqs[nxt]
                 nxt += 1
@@ -328,16 +271,14 @@ class Simulator:
                 continue
             when, _, kind, obj = pop(heap)
             self.now = when
-            if kind == _DONE:
-                self._finish(obj)
+            if kind == _CALL:
+                obj()
             elif kind == _RETRY:
                 self._route(obj)
-            elif kind == _CALL:
-                obj()
             else:
                 self._sync()
                 self._push(when + self.config.lag_s, _SYNC, None)
-        return self._result(time.perf_counter() - started)
+        return reqs
 
     def _result(self, wall: float) -> SimResult:
         cfg = self.config
@@ -346,7 +287,7 @@ class Simulator:
         ttft = np.array([r.t_first - r.arrival for r in measured])
         e2e = np.array([r.t_done - r.arrival for r in measured])
         queue = np.array([r.t_admit - r.arrival for r in measured])
-        waited = sum(1 for r in measured if r.t_admit > r.t_dispatch)
+        waited = sum(1 for r in measured if r.t_admit > r.t_submit)
         loads = sum(1 for r in measured if r.loaded)
         disk = sum(1 for r in measured if r.disk)
         per_replica = np.bincount([r.replica for r in measured], minlength=len(self.replicas))

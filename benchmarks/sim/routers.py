@@ -18,8 +18,9 @@ product):
   fallen back, to the replicas with the fewest models); later attempts inside the
   timeout go to the replicas with the fewest models; after it, the fewest-models
   replicas once, then all replicas. Each attempt picks two random candidates and takes
-  the less loaded one that is not full. The model set is the pool's resident set as seen
-  through the same lagged directory feed (no optimistic updates: Serve has none).
+  the less loaded one that is not full. The model set is what each replica's multiplexer
+  pushes every 100 ms (``ray/serve/multiplex.py``: its loaded models and the ones it is
+  loading or queued to load), not the pool's slots (no optimistic updates: Serve has none).
 - ``pow2``: Serve's default router (``pow_2_router.py``): two distinct random replicas,
   the less loaded one that is not full.
 - ``least_loaded``: the replica with the fewest ongoing requests (ties random).
@@ -61,6 +62,8 @@ class Router(ABC):
     name = "base"
     uses_view = False
     waits_for_capacity = False  # True: a request it cannot place now waits for a completion, not a backoff
+    multiplexed_worker = False  # True: its replicas run the multiplexing baseline's worker (Serve's model LRU)
+    wants_model_ids = False  # True: it routes on the replicas' pushed multiplexed model ids (``model_ids_pushed``)
 
     def __init__(self, sim: Fleet):
         self.sim = sim
@@ -150,40 +153,45 @@ class AffinityRouter(_ViewRouter):
         self.local.completed(str(req.i))
 
 
-class MultiplexRouter(_ViewRouter):
+class MultiplexRouter(Router):
     """Ray Serve's multiplexed-model routing (see the module docstring)."""
 
     name = "multiplex"
+    multiplexed_worker = True
+    wants_model_ids = True
 
     def __init__(self, sim: Fleet):
         super().__init__(sim)
         self.fallback_match: set[str] = set()
-        self._fewest_for: Optional[FleetView] = None
+        self.model_ids: list[frozenset[str]] = [frozenset()] * len(sim.ids)
+        self.holders: dict[str, list[int]] = {}
         self._fewest: np.ndarray = np.arange(len(sim.ids))
         self.timeout_s = sim.config.multiplex_timeout_s
 
     def replicas_changed(self):
-        self._fewest_for = None
+        self.model_ids_pushed([frozenset()] * len(self.sim.ids))
 
-    def _fewest_models(self, fv: FleetView) -> np.ndarray:
-        if fv is not self._fewest_for:
-            states = self.view.states
-            counts = np.fromiter((len(states.get(r, {}).get("resident", ())) for r in self.sim.ids),
-                                 dtype=np.int64, count=len(self.sim.ids))
-            self._fewest = np.flatnonzero(counts == counts.min())
-            self._fewest_for = fv
-        return self._fewest
+    def model_ids_pushed(self, model_ids: list[frozenset[str]]) -> None:
+        """Each routable replica's loaded and loading models, as Serve's replicas push them to the
+        controller (every 100 ms when they change) and the controller to the routers."""
+        self.model_ids = model_ids
+        holders: dict[str, list[int]] = {}
+        for i, ids in enumerate(model_ids):
+            for uid in ids:
+                holders.setdefault(uid, []).append(i)
+        self.holders = holders
+        counts = np.fromiter((len(ids) for ids in model_ids), dtype=np.int64, count=len(model_ids))
+        self._fewest = np.flatnonzero(counts == counts.min())
 
     def route(self, req, now):
         sim, rng = self.sim, self.rng
-        fv = self.view.fleet_view(sim.ids)  # no adapter: the cached view, no optimistic overlay
         if req.mux_start is None:
             req.mux_start = now
         timeout = rng.uniform(self.timeout_s, 2 * self.timeout_s)
         if now - req.mux_start < timeout:
-            holders = fv.holders.get(req.uid, ())
+            holders = self.holders.get(req.uid, ())
             if (not holders and req.uid not in self.fallback_match) or req.mux_tried_first:
-                cands, kind = self._fewest_models(fv), "fewest"
+                cands, kind = self._fewest, "fewest"
                 self.fallback_match.add(req.uid)
             else:
                 if holders:
@@ -191,7 +199,7 @@ class MultiplexRouter(_ViewRouter):
                 cands, kind = np.fromiter(holders, dtype=np.int64, count=len(holders)), "holder"
             req.mux_tried_first = True
         elif not req.mux_tried_fewest:
-            cands, kind = self._fewest_models(fv), "fewest"
+            cands, kind = self._fewest, "fewest"
             req.mux_tried_fewest = True
         else:
             cands, kind = None, "any"

@@ -25,7 +25,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from routing.warm_start import AdapterPlacement, rehome_targets, warm_start_plan
+from routing.warm_start import AdapterPlacement, WarmStartPlan, rehome_targets, warm_start_plan
 
 from .fleet import SimReplica, Simulator
 
@@ -82,6 +82,33 @@ def add_replica(sim: Simulator, warm: bool, joins: list[Join]) -> SimReplica:
     else:
         sim.set_routable([*sim.routable, replica.idx])
     return replica
+
+
+def warm_start_at_deploy(sim: Simulator) -> list[WarmStartPlan]:
+    """Every replica's warm start before any traffic, as ``LoRAWorker._warm_up`` at a deploy: the
+    directory has planned every registered adapter (``update_plan(registered=...)``) and each
+    replica loads ``warm_start_plan`` over what the plan would place on it (into slots, the rest
+    into its host tier). No simulated time passes: Serve routes to a replica once this is done.
+    Without a directory (a router with no view) there is no plan and nothing is loaded."""
+    if sim.directory is None or sim.feed is None:
+        return []
+    cfg, costs = sim.config, sim.config.costs
+    sim.directory.update_plan(registered=sim.feed.registered)
+    if not sim.directory.plan.holders:
+        return []
+    placements = [AdapterPlacement(uid, 0, len(sim.directory.holders.get(uid, ()))) for uid in sim.feed.registered]
+    plans = []
+    for i in sim.routable:
+        replica = sim.replicas[i]
+        planned = sim.directory.planned_for(replica.rid, cfg.slots)
+        plan = warm_start_plan(replica.rid, sim.ids, placements, cfg.slots, cfg.slots, planned)
+        if plan.slots:
+            replica.pool.prepare_lora_batch(set(plan.slots))
+            replica.pool.release_batch()
+        for uid in (*plan.slots, *plan.host):
+            replica.host.put(uid, costs.adapter_bytes(sim.ranks[uid]))
+        plans.append(plan)
+    return plans
 
 
 def remove_replica(sim: Simulator, warm: bool) -> SimReplica:

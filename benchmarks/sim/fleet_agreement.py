@@ -1,0 +1,81 @@
+"""Does a simulated replay agree with the live fleet? Issue 25's test, cell by cell and pair by pair.
+
+Why its own module: ``fleet_live`` (goal ``fleet16_sim_agrees``) and ``cluster_sim --live-json``
+(goal ``sim_reproduces_live_ranking``) apply the same thresholds to the same rows:
+
+- per variant and segment: loads within ``LOADS_TOL`` (10 %; counts, so a difference of one
+  load always passes), TTFT p50 and p99 within ``TTFT_TOL`` (25 %), both relative to live;
+- per segment, every pair of variants ordered alike by loads and by p99 TTFT (a pair the live
+  run ties exactly may go either way).
+"""
+
+from __future__ import annotations
+
+import math
+from itertools import combinations
+from typing import Mapping, Sequence
+
+LOADS_TOL = 0.10
+TTFT_TOL = 0.25
+RANKED = ("loads", "ttft_p99_ms")
+
+
+def within(live: float, sim: float, tol: float, slack: float = 0.0) -> bool:
+    """``sim`` within ``tol`` of ``live`` (relative), or within ``slack`` absolute."""
+    if any(isinstance(v, float) and math.isnan(v) for v in (live, sim)):
+        return False
+    return abs(sim - live) <= max(tol * abs(live), slack)
+
+
+def _sign(x: float) -> int:
+    return (x > 0) - (x < 0)
+
+
+def agreement_with_live(live_rows: list[dict], sim_rows: list[dict]) -> dict:
+    """``{"agrees", "summary", "rows", "rankings"}``: ``rows`` one per (segment, variant) the live run
+    measured, live vs sim loads, TTFT p50 and p99 and whether each is within tolerance; ``rankings``
+    one per (segment, metric, pair of variants) with the live and simulated order."""
+    sim_by = {(r["segment"], r["variant"]): r for r in sim_rows}
+    rows, missing = [], []
+    for lr in sorted(live_rows, key=lambda r: (r["segment"], r["variant"])):
+        key = (lr["segment"], lr["variant"])
+        sr = sim_by.get(key)
+        if sr is None:
+            missing.append(key)
+            continue
+        row = {"segment": key[0], "variant": key[1], "loads_live": lr["loads"], "loads_sim": sr["loads"],
+               "loads_ok": within(lr["loads"], sr["loads"], LOADS_TOL, slack=1.0)}
+        for metric, short in (("ttft_p50_ms", "p50"), ("ttft_p99_ms", "p99")):
+            row[f"{short}_live"], row[f"{short}_sim"] = lr[metric], sr[metric]
+            row[f"{short}_ok"] = within(lr[metric], sr[metric], TTFT_TOL)
+        rows.append(row)
+    rankings = _rankings(live_rows, sim_by)
+    cells_ok = sum(all(r[k] for k in ("loads_ok", "p50_ok", "p99_ok")) for r in rows)
+    pairs_ok = sum(r["same"] for r in rankings)
+    agrees = not missing and bool(rows) and cells_ok == len(rows) and pairs_ok == len(rankings)
+    summary = (f"{cells_ok}/{len(rows)} cells within tolerance (loads 10%, TTFT p50/p99 25%), "
+               f"{pairs_ok}/{len(rankings)} pairwise rankings alike"
+               + (f"; not simulated: {missing}" if missing else ""))
+    return {"agrees": agrees, "summary": summary, "rows": rows, "rankings": rankings,
+            "cells_ok": cells_ok, "cells": len(rows), "pairs_ok": pairs_ok, "pairs": len(rankings)}
+
+
+def _rankings(live_rows: Sequence[Mapping], sim_by: Mapping[tuple, Mapping]) -> list[dict]:
+    by_segment: dict[str, dict[str, Mapping]] = {}
+    for r in live_rows:
+        by_segment.setdefault(r["segment"], {})[r["variant"]] = r
+    out = []
+    for segment in sorted(by_segment):
+        live = by_segment[segment]
+        names = sorted(v for v in live if (segment, v) in sim_by)
+        for metric in RANKED:
+            for a, b in combinations(names, 2):
+                lo = _sign(live[a][metric] - live[b][metric])
+                so = _sign(sim_by[(segment, a)][metric] - sim_by[(segment, b)][metric])
+                out.append({"segment": segment, "metric": metric, "pair": f"{a} vs {b}",
+                            "live": _order(a, b, lo), "sim": _order(a, b, so), "same": lo == 0 or lo == so})
+    return out
+
+
+def _order(a: str, b: str, sign: int) -> str:
+    return f"{a} < {b}" if sign < 0 else f"{b} < {a}" if sign > 0 else f"{a} = {b}"

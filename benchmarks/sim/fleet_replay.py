@@ -1,0 +1,124 @@
+"""``benchmarks.fleet_live``'s run, replayed in the simulator: the same segments, requests and cost model.
+
+Why: the simulator may tune routing only once it reproduces the live fleet (issue 25: per
+router loads within 10 %, TTFT p50 and p99 within 25 %, every pairwise ranking). This builds
+each segment's requests exactly as ``fleet_live.segment_trace`` does from the run's settings,
+and replays every variant on its own simulated fleet, segment after segment (pools, host
+tiers, views and routers carry over, as on the live deployment):
+
+- ``affinity`` on a fresh deployment: before traffic each replica warm-starts
+  (``LoRAWorker._warm_up``) with what the directory's plan, which places every registered
+  adapter, would put on it (``scale_events.warm_start_at_deploy``); ``pow2`` and ``hash`` run
+  after ``reset_adapters`` (every pool and host tier empty) and ``multiplexed`` on its own fresh
+  app: those start cold;
+- the modelled ranks are the ones the live replicas are given (``fleet_live.adapter_ranks``:
+  the seed's draw, the same for every segment);
+- the host tier never evicts: the live workers keep 1 GiB of the demo's adapters, a few kB
+  each, whatever rank the cost model prices them at;
+- router views lag as live: the affinity router's directory feed by the workers' 20 ms event
+  flush (``deployments/worker.py`` ``FLUSH_INTERVAL_S``) and one long poll, multiplexing's model
+  sets by Serve's 100 ms push (``PUSH_MULTIPLEXED_MODEL_IDS_INTERVAL_S``);
+- segments start at the live run's offsets when given (``starts``), else back to back: the
+  next one ``SEGMENT_GAP_S`` after the previous one's last request finished (the replay client
+  starts sending 0.5 s after it is called, once the previous segment has returned).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import replace
+from typing import Mapping, Optional, Sequence
+
+import numpy as np
+
+from ..fleet_live import Segment, adapter_name, adapter_ranks, segment_trace
+from .config import SimConfig, SimRequest
+from .costs import CostModel
+from .fleet import Simulator
+from .fleet_agreement import agreement_with_live
+from .scale_events import warm_start_at_deploy
+
+__all__ = ["agreement_with_live", "live_starts", "replay_fleet_live", "replay_variant"]
+
+VARIANT_ROUTER = {"affinity": "affinity", "multiplexed": "multiplex", "pow2": "pow2", "hash": "hash"}
+LIVE_LAG_S = {"affinity": 0.02, "multiplexed": 0.1}  # pool change -> the router's view (see the docstring)
+WARM_STARTED = ("affinity",)  # deployed fresh: its workers' warm start runs; the others start empty
+SEGMENT_GAP_S = 0.5  # benchmarks.fleet_live.Fleet.replay: the client starts sending 0.5 s after the call
+
+
+def _args(settings: Mapping) -> argparse.Namespace:
+    """The fields of ``fleet_live``'s parsed flags that ``segment_trace`` and ``adapter_ranks`` read."""
+    keys = ("replicas", "slots", "rows", "adapters", "zipf", "seed", "max_prompt", "max_output")
+    return argparse.Namespace(**{k: settings[k] for k in keys})
+
+
+def costs_of(settings: Mapping) -> CostModel:
+    """The run's cost model: time-scaled, its token budget, and a host tier that holds every adapter."""
+    costs = CostModel().scaled(float(settings.get("time_scale", 1.0)))
+    return replace(costs, token_budget=int(settings.get("token_budget", costs.token_budget)),
+                   host_cache_bytes=math.inf)
+
+
+def segments_of(settings: Mapping) -> list[Segment]:
+    return [Segment(**s) for s in settings["segments"]]
+
+
+def live_starts(live_rows: Sequence[Mapping]) -> dict[str, dict[str, float]]:
+    """variant -> measured segment -> its ``start_s`` in the live run (relative to the variant's warm-up)."""
+    out: dict[str, dict[str, float]] = {}
+    for r in live_rows:
+        if r.get("start_s") is not None:
+            out.setdefault(r["variant"], {})[r["segment"]] = float(r["start_s"])
+    return out
+
+
+def _q(values: list[float], p: float) -> float:
+    return float(np.percentile(values, p)) if values else math.nan
+
+
+def _row(variant: str, seg: Segment, reqs: list[SimRequest], t0: float) -> dict:
+    ttft = [r.t_first - r.arrival for r in reqs]
+    e2e = [r.t_done - r.arrival for r in reqs]
+    return {"variant": variant, "segment": seg.name, "loads": sum(1 for r in reqs if r.loaded),
+            "disk_reads": sum(1 for r in reqs if r.disk),
+            "ttft_p50_ms": 1000 * _q(ttft, 50), "ttft_p99_ms": 1000 * _q(ttft, 99),
+            "e2e_p50_ms": 1000 * _q(e2e, 50), "e2e_p99_ms": 1000 * _q(e2e, 99),
+            "start_s": round(t0, 3), "end_s": round(max(r.t_done for r in reqs), 3)}
+
+
+def replay_variant(settings: Mapping, variant: str, starts: Optional[Mapping[str, float]] = None) -> list[dict]:
+    """One variant's segments on one simulated fleet; a row per segment, the warm-up's included."""
+    if variant not in VARIANT_ROUTER:
+        raise ValueError(f"unknown variant {variant!r}; choose one of {sorted(VARIANT_ROUTER)}")
+    args, costs = _args(settings), costs_of(settings)
+    segments = segments_of(settings)
+    traces = [segment_trace(seg, args, costs) for seg in segments]
+    ranks = adapter_ranks(args, costs)
+    first = replace(traces[0], ranks=np.array([ranks[adapter_name(i)] for i in range(args.adapters)]))
+    config = SimConfig(replicas=args.replicas, router=VARIANT_ROUTER[variant], slots=args.slots,
+                       max_batch=args.rows, lag_s=LIVE_LAG_S.get(variant, 0.1), seed=int(args.seed), costs=costs,
+                       warmup_fraction=0.0)
+    sim = Simulator(first, config)
+    if variant in WARM_STARTED:
+        warm_start_at_deploy(sim)
+    rows, end = [], 0.0
+    for seg, trace in zip(segments, traces):
+        live_t0 = (starts or {}).get(seg.name, 0.0 if not seg.measured and starts else None)
+        t0 = end + SEGMENT_GAP_S if live_t0 is None else max(live_t0 + SEGMENT_GAP_S, end)
+        reqs = sim.serve(trace, t0)
+        rows.append({**_row(variant, seg, reqs, t0), "measured": seg.measured})
+        end = sim.now
+    return rows
+
+
+def replay_fleet_live(settings: dict, variants: list[str],
+                      starts: Optional[Mapping[str, Mapping[str, float]]] = None) -> list[dict]:
+    """Every variant's measured segments, simulated: rows ``{variant, segment, loads, ttft_p50_ms,
+    ttft_p99_ms, e2e_p50_ms, e2e_p99_ms, ...}`` as ``fleet_live`` reports them. ``starts``: variant ->
+    segment -> live ``start_s`` (``live_starts``); without it, segments run back to back."""
+    out = []
+    for variant in variants:
+        rows = replay_variant(settings, variant, (starts or {}).get(variant))
+        out += [{k: v for k, v in r.items() if k != "measured"} for r in rows if r["measured"]]
+    return out

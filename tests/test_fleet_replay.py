@@ -1,0 +1,194 @@
+"""The simulator's replica against the cost model's arithmetic, and its replay of a fleet_live run.
+
+The hand-built traces check the time model of ``benchmarks/live/emulated.py`` step by step: a disk
+read delays only its requester, a slot copy stalls every running request by exactly its seconds,
+prefill is chunked under the token budget, and the multiplexing baseline unloads its least recently
+used model only once that model's requests finish.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from benchmarks import cluster_sim, fleet_live
+from benchmarks.sim import SimConfig, Simulator
+from benchmarks.sim.costs import CostModel
+from benchmarks.sim.fleet_agreement import agreement_with_live
+from benchmarks.sim.fleet_replay import replay_fleet_live, replay_variant
+from benchmarks.traces import Popularity, Trace
+
+COSTS = CostModel()
+D = COSTS.decode_s_per_token
+P = COSTS.prefill_s_per_token
+
+
+def hand_trace(rows: list[tuple[float, int, int, int]], ranks: list[int]) -> Trace:
+    """``(arrival, adapter, prompt tokens, output tokens)`` per request."""
+    arrival, adapter, prompt, output = (np.array(col) for col in zip(*rows))
+    return Trace(adapters=adapter.astype(np.int64), arrivals=arrival.astype(float), input_lens=prompt.astype(np.int64),
+                 output_lens=output.astype(np.int64), ranks=np.array(ranks), num_adapters=len(ranks),
+                 popularity=Popularity("zipf", 0.0))
+
+
+def one_replica(trace: Trace, router: str = "pow2", **kw) -> Simulator:
+    sim = Simulator(trace, SimConfig(replicas=1, router=router, warmup_fraction=0.0, **kw))
+    sim.run()
+    return sim
+
+
+def test_a_disk_read_delays_only_its_requester_and_a_copy_stalls_the_batch_by_its_seconds():
+    r8, h8 = COSTS.disk_read_s(8), COSTS.host_copy_s(8)
+    r64, h64 = COSTS.disk_read_s(64), COSTS.host_copy_s(64)
+    t1 = r8 + h8 + COSTS.step_s(100)  # A: read, then one step: its slot copy and its 100-token prefill
+    b_arrives = t1 + 0.001
+    sim = one_replica(hand_trace([(0.0, 0, 100, 40), (b_arrives, 1, 50, 5)], ranks=[8, 64]), slots=2, max_batch=4)
+    a, b = sim.requests
+    assert a.t_submit == pytest.approx(r8) and a.t_first == pytest.approx(t1)
+    # B's read (0.47 s) runs while A decodes: A is not delayed by it ...
+    assert b.t_submit == pytest.approx(b_arrives + r64)
+    assert t1 + 18 * D < b.t_submit < t1 + 19 * D
+    # ... B joins at A's next step boundary; that step copies B's slot and prefills B: A waits for both
+    boundary = t1 + 19 * D
+    assert b.t_admit == pytest.approx(boundary)
+    assert b.t_first == pytest.approx(boundary + h64 + COSTS.step_s(50))
+    assert b.t_done == pytest.approx(b.t_first + 4 * D)
+    assert a.t_done == pytest.approx(t1 + 39 * D + h64 + 50 * P)
+    assert (a.loaded, a.disk, b.loaded, b.disk) == (True, True, True, True)
+    assert a.load_s == pytest.approx(r8 + h8) and b.load_s == pytest.approx(r64 + h64)
+    replica = sim.replicas[0]
+    assert (replica.copies, replica.disk_reads) == (2, 2)
+    assert replica.steps == 40  # A's 40 tokens; B's 5 all came in steps A ran too
+
+
+def test_a_second_request_waits_for_the_read_in_flight_and_a_host_hit_reads_nothing():
+    r16, h16 = COSTS.disk_read_s(16), COSTS.host_copy_s(16)
+    sim = one_replica(hand_trace([(0.0, 0, 10, 1), (0.01, 0, 10, 1), (5.0, 0, 10, 1)], ranks=[16]),
+                      slots=1, max_batch=4)
+    a, b, c = sim.requests
+    assert a.t_submit == b.t_submit == pytest.approx(r16)  # one read: B waited for A's
+    assert a.t_first == pytest.approx(r16 + h16 + COSTS.step_s(10))  # A's submission started the step ...
+    assert b.t_first == pytest.approx(a.t_first + COSTS.step_s(10))  # ... B joins the next: no second copy
+    assert (a.disk, b.disk, c.disk) == (True, False, False)
+    assert c.t_first == pytest.approx(5.0 + COSTS.step_s(10))  # still in its slot: no read, no copy
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_of_the_token_budget():
+    prompt = 2 * COSTS.token_budget + 1000
+    sim = one_replica(hand_trace([(0.0, 0, prompt, 3)], ranks=[8]), slots=1, max_batch=2)
+    (a,) = sim.requests
+    start = COSTS.disk_read_s(8) + COSTS.host_copy_s(8)
+    assert sim.replicas[0].sched.prefill_chunks == 2
+    assert a.t_first == pytest.approx(start + 3 * D + prompt * P)  # three steps: 8192, 8192, 1000 tokens
+    assert a.t_done == pytest.approx(a.t_first + 2 * D)
+
+
+def test_the_multiplexed_baseline_unloads_its_lru_model_only_after_its_requests_finish():
+    r8, h8 = COSTS.disk_read_s(8), COSTS.host_copy_s(8)
+    trace = hand_trace([(0.0, 0, 10, 100), (1.0, 1, 10, 1)], ranks=[8, 8])
+    sim = one_replica(trace, router="multiplex", slots=1, max_batch=4)
+    a, b = sim.requests
+    assert a.t_first == pytest.approx(r8 + h8 + COSTS.step_s(10))
+    assert a.t_done == pytest.approx(a.t_first + 99 * D)
+    # B's registration waited for A's model to drain, then read B's files, then copied B's slot
+    assert b.t_submit == pytest.approx(a.t_done + r8)
+    assert b.t_first == pytest.approx(a.t_done + r8 + h8 + COSTS.step_s(10))
+    assert list(sim.replicas[0].models) == [sim.requests[1].uid]
+    assert sim.replicas[0].pool.counters.loads == 2
+
+
+def test_product_worker_copies_into_a_free_slot_without_draining():
+    """The product's worker (no multiplexer) evicts an idle slot at the step boundary: no drain."""
+    trace = hand_trace([(0.0, 0, 10, 100), (1.0, 1, 10, 1)], ranks=[8, 8])
+    sim = one_replica(trace, router="pow2", slots=2, max_batch=4)
+    a, b = sim.requests
+    assert b.t_submit == pytest.approx(1.0 + COSTS.disk_read_s(8))
+    assert b.t_first < a.t_done
+
+
+# ---------------------------------------------------------------------------- agreement
+
+
+def live_row(variant: str, loads: int, p50: float, p99: float, segment: str = "trace@0.4") -> dict:
+    return {"variant": variant, "segment": segment, "loads": loads, "ttft_p50_ms": p50, "ttft_p99_ms": p99,
+            "e2e_p50_ms": 2 * p50, "e2e_p99_ms": 2 * p99}
+
+
+def test_agreement_flags_a_ranking_flip_even_within_tolerance():
+    live = [live_row("affinity", 100, 200.0, 900.0), live_row("pow2", 105, 210.0, 1000.0)]
+    same = [live_row("affinity", 102, 220.0, 950.0), live_row("pow2", 108, 230.0, 1050.0)]
+    flipped = [live_row("affinity", 106, 220.0, 950.0), live_row("pow2", 103, 230.0, 1050.0)]
+    ok = agreement_with_live(live, same)
+    assert ok["agrees"] and ok["cells_ok"] == 2 and ok["pairs_ok"] == ok["pairs"] == 2
+    bad = agreement_with_live(live, flipped)
+    assert all(r["loads_ok"] for r in bad["rows"])  # every cell within 10% ...
+    assert not bad["agrees"]  # ... but the loads ranking flipped
+    wrong = [r for r in bad["rankings"] if not r["same"]]
+    assert [(r["metric"], r["live"], r["sim"]) for r in wrong] == [("loads", "affinity < pow2", "pow2 < affinity")]
+
+
+def test_agreement_checks_each_tolerance_and_missing_cells():
+    live = [live_row("affinity", 100, 200.0, 900.0), live_row("hash", 0, 200.0, 900.0)]
+    sim = [live_row("affinity", 111, 200.0, 900.0), live_row("hash", 1, 251.0, 1124.0)]
+    out = agreement_with_live(live, sim)
+    by = {r["variant"]: r for r in out["rows"]}
+    assert not by["affinity"]["loads_ok"]  # 11% off
+    assert by["hash"]["loads_ok"] and not by["hash"]["p50_ok"] and by["hash"]["p99_ok"]  # one load; 25.5%; 24.9%
+    assert not out["agrees"]
+    assert not agreement_with_live(live, sim[:1])["agrees"]  # a cell the simulator did not replay
+
+
+# ---------------------------------------------------------------------------- replaying a run
+
+
+def tiny_settings() -> dict:
+    args = fleet_live.make_parser().parse_args(["--replicas", "2", "--slots", "2", "--rows", "4", "--adapters", "12",
+                                                "--requests", "30", "--loads", "0.5", "--arrivals", "gamma"])
+    costs = CostModel().scaled(args.time_scale)
+    return json.loads(json.dumps(fleet_live._settings(args, fleet_live.make_segments(args), costs)))
+
+
+def test_replay_runs_every_variant_segment_by_segment_deterministically():
+    settings = tiny_settings()
+    rows = replay_fleet_live(settings, list(fleet_live.VARIANTS))
+    assert [(r["variant"], r["segment"]) for r in rows] == [(v, "gamma@0.5") for v in fleet_live.VARIANTS]
+    assert rows == replay_fleet_live(settings, list(fleet_live.VARIANTS))
+    for r in rows:
+        assert r["ttft_p50_ms"] <= r["ttft_p99_ms"] <= r["e2e_p99_ms"] and r["loads"] >= 0
+    warm, measured = replay_variant(settings, "affinity")
+    assert warm["segment"] == "warmup" and measured["start_s"] == pytest.approx(warm["end_s"] + 0.5)
+    late = replay_variant(settings, "affinity", starts={"gamma@0.5": warm["end_s"] + 100.0})[1]
+    assert late["start_s"] == pytest.approx(warm["end_s"] + 100.5)
+
+
+def test_cluster_sim_takes_a_fleet_live_json(tmp_path, capsys):
+    """A run the simulator itself produced agrees with its replay exactly (the goal's plumbing)."""
+    settings = tiny_settings()
+    rows = replay_fleet_live(settings, ["affinity", "pow2"])
+    path = tmp_path / "fleet_live.json"
+    path.write_text(json.dumps({"metadata": {"benchmark": "fleet_live", "settings": settings}, "rows": rows}))
+    out, goal = cluster_sim.live_check([str(path)])
+    assert goal["name"] == "sim_reproduces_live_ranking" and goal["measured"] == 1.0 and goal["pass"]
+    assert len(out) == 2 and all(r["loads_ok"] and r["p99_ok"] for r in out)
+    loads = {r["variant"]: r["loads"] for r in rows}
+    assert loads["affinity"] != loads["pow2"]
+    swapped = [dict(r, loads=loads["pow2" if r["variant"] == "affinity" else "affinity"]) for r in rows]
+    path.write_text(json.dumps({"metadata": {"benchmark": "fleet_live", "settings": settings}, "rows": swapped}))
+    goal = cluster_sim.live_check([str(path)])[1]
+    assert goal["pass"] is False and goal["measured"] == 0.5  # the loads pair flipped; the p99 pair did not
+
+
+def test_a_fresh_affinity_deployment_warm_starts_the_plan_and_a_viewless_one_does_not():
+    from benchmarks.sim.scale_events import warm_start_at_deploy
+
+    trace = hand_trace([(0.0, a, 10, 1) for a in range(40)], ranks=[8] * 40)
+    sim = Simulator(trace, SimConfig(replicas=4, router="affinity", slots=4, warmup_fraction=0.0))
+    plans = warm_start_at_deploy(sim)
+    assert len(plans) == 4 and all(0 < len(p.slots) <= 3 for p in plans)
+    for plan, replica in zip(plans, sim.replicas):
+        assert set(replica.pool.uid_to_slot) == set(plan.slots)
+        assert set(plan.slots) | set(plan.host) <= set(replica.host.entries)  # read before traffic
+    assert warm_start_at_deploy(Simulator(trace, SimConfig(replicas=4, router="pow2"))) == []
