@@ -88,6 +88,7 @@ class Simulator:
         self.ranks = {adapter_uid(a): int(r) for a, r in enumerate(trace.ranks.tolist())}
         self._configs: dict[int, AdapterConfig] = {}
         self.feed: Optional[DirectoryFeed] = None
+        self._plan_followed = -1  # the plan version the replicas last followed
         self.directory: Optional[AdapterDirectory] = None
         self._listener = None
         if self.router.uses_view:
@@ -135,6 +136,12 @@ class Simulator:
                 replica = self.replicas[i]
                 self.feed.heartbeat(replica.rid, replica.heartbeat())
         self.feed.sync(self.router)
+        plan = self.directory.plan
+        if self.router.follows_plan and plan.version != self._plan_followed:
+            self._plan_followed = plan.version  # the live worker hears it in its next report's reply
+            for i in self.routable:
+                replica = self.replicas[i]
+                replica.follow_plan([name for name, holders in plan.holders.items() if replica.rid in holders])
 
     def _push_model_ids(self, taken: Optional[list] = None) -> None:
         """Serve's two 100 ms loops (``lag_s``): each replica pushes its model ids to the controller

@@ -111,6 +111,7 @@ class SimReplica:
                                                       max_num_batched_tokens=self.costs.token_budget)
         self.host = HostTier(self.costs.host_cache_bytes)
         self.reading: dict[str, list[SimRequest]] = {}   # uid -> requests waiting for its disk read
+        self.planned: set[str] = set()     # what the plan puts here, as this replica last heard it
         self.inflight: Counter = Counter()               # uid -> requests submitted to the engine, not finished
         self.models: OrderedDict[str, None] = OrderedDict()  # multiplexer's loaded models, LRU first
         self.mux_queue: deque[SimRequest] = deque()      # requests waiting for the multiplexer's lock
@@ -152,6 +153,18 @@ class SimReplica:
         else:
             self.reading[uid] = [req]
             self._read(uid, req)
+
+    def follow_plan(self, planned: list[str]) -> None:
+        """As a live worker with ``replicas_follow_plan``: the pool evicts the plan's adapters last, and
+        what the plan newly puts here is read into the host tier ahead of traffic (off the step). The
+        live worker also loads it into a free slot; at a full pool, the usual case, it does not."""
+        self.pool.keep(planned)
+        for uid in planned:
+            if uid not in self.planned and uid not in self.reading and not self.pool.is_resident(uid) \
+                    and not self.host.has(uid):
+                self.reading[uid] = []
+                self._read(uid, None)
+        self.planned = set(planned)
 
     def _read(self, uid: str, req: Optional[SimRequest]) -> None:
         """A disk read into the host tier, off the engine thread; its waiters are submitted when it ends."""

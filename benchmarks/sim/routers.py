@@ -62,6 +62,7 @@ class Router(ABC):
     name = "base"
     uses_view = False
     waits_for_capacity = False  # True: a request it cannot place now waits for a completion, not a backoff
+    follows_plan = False  # True: the product's replicas follow the directory's plan (read-ahead, kept adapters)
     multiplexed_worker = False  # True: its replicas run the multiplexing baseline's worker (Serve's model LRU)
     wants_model_ids = False  # True: it routes on the replicas' pushed multiplexed model ids (``model_ids_pushed``)
 
@@ -105,6 +106,7 @@ class AffinityRouter(_ViewRouter):
 
     name = "affinity"
     waits_for_capacity = True
+    follows_plan = True
 
     def __init__(self, sim: Fleet):
         super().__init__(sim)
