@@ -346,8 +346,9 @@ def make_parser():
     parser.add_argument("--loads", type=float, nargs="+", default=[0.4, 0.8], help="offered loads (of capacity)")
     parser.add_argument("--arrivals", nargs="+", choices=("trace", "gamma"), default=["trace", "gamma"])
     parser.add_argument("--requests", type=int, help="requests per measured cell (default 800; quick 240)")
-    parser.add_argument("--time-scale", type=float, default=1.0,
-                        help="every modelled time multiplied by this (a slower GPU; default 1)")
+    parser.add_argument("--time-scale", type=float, default=2.0,
+                        help="every modelled time multiplied by this (a GPU that much slower; default 2: at 1, 16 "
+                             "emulated replicas' own CPU per step saturated two cores and stretched every time)")
     parser.add_argument("--max-prompt", type=int, default=8192, help="prompt tokens at most (trace capped)")
     parser.add_argument("--max-output", type=int, default=512, help="output tokens at most (trace capped)")
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
