@@ -20,7 +20,7 @@ from ray import serve
 
 from pool.errors import AdapterNotFoundError
 from routing.directory import AdapterDirectory
-from routing.prefetch import planned_on
+from routing.plan import planned_on
 from routing.warm_start import AdapterPlacement, rehome_targets, warm_start_plan
 
 from .metrics import DirectoryMetrics

@@ -28,8 +28,7 @@ from typing import Callable, Iterable, Mapping, Optional, Union
 from pool.events import PoolEvent, PoolSnapshot
 
 from .identity import name_of
-from .plan import FleetPlanner, PlacementPlan, PlanConfig, ReplicaSlots
-from .prefetch import holder_moves
+from .plan import FleetPlanner, PlacementPlan, PlanConfig, ReplicaSlots, holder_moves
 from .router_state import DemandRates
 
 MAX_COUNTED_UIDS = 4096   # uids whose load/evict counts the directory keeps (a count budget; oldest dropped)

@@ -276,3 +276,21 @@ def _least_loaded(heap: list, load: Sequence[float], budget: Sequence[int], m: i
     for entry in keep:
         heapq.heappush(heap, entry)
     return out
+
+
+def planned_on(plan: PlacementPlan, replica_id: str) -> list[str]:
+    """The adapters the plan places on ``replica_id``, by name."""
+    return sorted(name for name, holders in plan.holders.items() if replica_id in holders)
+
+
+def holder_moves(old: PlacementPlan, new: PlacementPlan) -> Mapping[str, int]:
+    """Per adapter, the holders ``new`` adds to one ``old`` already planned (a move or a new copy,
+    each a load somewhere); an adapter's first placement is not a move."""
+    moves: dict[str, int] = {}
+    for name, holders in new.holders.items():
+        previous = old.holders.get(name)
+        if previous:
+            added = len(set(holders) - set(previous))
+            if added:
+                moves[name] = added
+    return moves

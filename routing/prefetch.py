@@ -11,20 +11,13 @@ Pure; no Ray.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Collection, Mapping, Sequence
-
-from .plan import PlacementPlan
+from typing import Collection, Sequence
 
 
 @dataclass(frozen=True)
 class Prefetch:
     name: str
     into_slot: bool
-
-
-def planned_on(plan: PlacementPlan, replica_id: str) -> list[str]:
-    """The adapters the plan places on ``replica_id``, by name."""
-    return sorted(name for name, holders in plan.holders.items() if replica_id in holders)
 
 
 def prefetches(planned: Sequence[str], before: Collection[str], resident: Collection[str],
@@ -42,16 +35,3 @@ def prefetches(planned: Sequence[str], before: Collection[str], resident: Collec
         if name not in staged or into_slot:
             out.append(Prefetch(name, into_slot))
     return out
-
-
-def holder_moves(old: PlacementPlan, new: PlacementPlan) -> Mapping[str, int]:
-    """Per adapter, the holders ``new`` adds to one ``old`` already planned (a move or a new copy,
-    each a load somewhere); an adapter's first placement is not a move."""
-    moves: dict[str, int] = {}
-    for name, holders in new.holders.items():
-        previous = old.holders.get(name)
-        if previous:
-            added = len(set(holders) - set(previous))
-            if added:
-                moves[name] = added
-    return moves

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from routing.plan import PlacementPlan
-from routing.prefetch import Prefetch, holder_moves, planned_on, prefetches
+from routing.plan import PlacementPlan, holder_moves, planned_on
+from routing.prefetch import Prefetch, prefetches
 
 
 def test_only_new_holders_read_ahead_and_only_free_slots_are_filled():
