@@ -68,7 +68,7 @@ class Setting:
     cv: float = 2.0          # gamma inter-arrival CV
     load: float = 0.4        # offered load: arrival rate / (replicas * max_batch / mean service time)
     lag_s: float = 0.1
-    epsilon: float = 0.25    # routing.policy.RoutingConfig default
+    epsilon: float = 0.25    # routing.settings.RoutingSettings.tie_epsilon default
     requests: int = 0
     seed: int = 0
 
@@ -416,7 +416,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         common.print_table(sorted(base + tune, key=lambda r: (r["load"], r["epsilon"])) + mux,
                            ["router", "load", "epsilon", "loads", "hit_ratio", "ttft_p99", "e2e_p99", "imbalance",
                             "load_seconds"], floatfmt=".3g",
-                           title="== tuning: affinity's load_bound_epsilon (RoutingConfig.tie_epsilon) 0.25 vs 1.0, multiplex for reference")
+                           title="== tuning: affinity's load_bound_epsilon (RoutingSettings.tie_epsilon) 0.25 vs 1.0, multiplex for reference")
 
     if overhead:
         print()

@@ -117,7 +117,7 @@ def main(argv=None) -> list[dict]:
     num_adapters = len(parsed.adapters)
     ensure_demo_assets(num_adapters=num_adapters)
     shape = argparse.Namespace(replicas=2, slots=parsed.max_loras_per_batch, max_batch_size=parsed.max_batch_size,
-                               load_bound_epsilon=parsed.load_bound_epsilon)
+                               load_bound_epsilon=parsed.routing.tie_epsilon)
     setting = Setting("demo", num_adapters, UNIFORM)
     ray.init(address="local", num_cpus=args.cpus, include_dashboard=False, log_to_driver=False,
              configure_logging=False)

@@ -216,6 +216,24 @@ class Fleet:
         handle = serve.get_deployment_handle("LoRAWorker", app_name=APP)
         return sum(handle.emulation_stats.remote(ReplicaTarget(rid)).result()["loads"] for rid in self._replica_ids())
 
+    def load_sources(self) -> tuple[dict, dict]:
+        """Fleet-wide slot loads per adapter name so far (the directory's counts, from every pool's events) and the
+        current placement plan: which loads were planned holders filling, and which were thrash."""
+        from ray import serve
+
+        from routing.identity import name_of
+
+        directory = serve.get_deployment_handle("AdapterDirectory", app_name=APP)
+        counts: dict[str, int] = {}
+        for uid, c in directory.adapter_counts.remote().result().items():
+            counts[name_of(uid)] = counts.get(name_of(uid), 0) + int(c.get("load", 0))
+        return counts, directory.placement_plan.remote().result()
+
+    def decisions(self) -> dict:
+        import ray
+
+        return ray.get(self.client.decisions.remote())
+
     def replay(self, requests: list) -> dict:
         import ray
 
@@ -238,6 +256,8 @@ def measure(fleet: Fleet, seg: Segment, requests: list, meter, started_at: float
     import psutil
 
     loads_before = fleet.loads()
+    counts_before, plan_before = fleet.load_sources()
+    kinds_before = fleet.decisions()
     seg_start = time.time() - started_at
     meter.start()
     machine_before = psutil.cpu_times()
@@ -245,6 +265,9 @@ def measure(fleet: Fleet, seg: Segment, requests: list, meter, started_at: float
     machine_after = psutil.cpu_times()
     cpu = meter.stop()
     loads = fleet.loads() - loads_before
+    counts_after, plan_after = fleet.load_sources()
+    sources = _load_sources(counts_before, counts_after, plan_after)
+    kinds = {k: n - kinds_before.get(k, 0) for k, n in fleet.decisions().items() if n > kinds_before.get(k, 0)}
     ttft = [x for x in out["ttft"] if x is not None]
     e2e = [x for x in out["e2e"] if x is not None]
     busy = lambda t: sum(getattr(t, k, 0.0) for k in ("user", "nice", "system", "irq", "softirq", "steal"))  # noqa: E731
@@ -261,15 +284,28 @@ def measure(fleet: Fleet, seg: Segment, requests: list, meter, started_at: float
         "fleet_cpu_share": fleet_cpu / (out["wall_s"] * cores),
         "machine_cpu_share": (busy(machine_after) - busy(machine_before)) / (out["wall_s"] * cores),
         "wall_s": out["wall_s"], "cpu_by_role_s": {k: round(v, 3) for k, v in cpu.items()},
-        "error_samples": out["errors"][:3],
+        "error_samples": out["errors"][:3], "plan_moves": plan_after["moves_total"] - plan_before["moves_total"],
+        "decisions": kinds,
+        **sources,
         "ttft_s": [round(x, 4) if x is not None else None for x in out["ttft"]],
     }
-    print(f"  {fleet.variant:>11} {seg.name:>10} loads={loads:4d} ttft p50={row['ttft_p50_ms']:7.0f} "
+    print(f"  {fleet.variant:>11} {seg.name:>10} loads={loads:4d} (planned {sources['loads_planned']}, repeated "
+          f"{sources['loads_repeated']}, plan moves {row['plan_moves']}) ttft p50={row['ttft_p50_ms']:7.0f} "
           f"p99={row['ttft_p99_ms']:7.0f} ms e2e p99={row['e2e_p99_ms']:7.0f} ms {row['req_per_s']:5.1f} req/s "
           f"cpu {row['machine_cpu_share']:.0%} errors={row['errors']}", flush=True)
     if out["errors"]:
         print(f"    first error: {out['errors'][0]}", flush=True)
     return row
+
+
+def _load_sources(before: dict, after: dict, plan: dict) -> dict:
+    """Where a segment's loads went: adapters the plan places (its holders filling or refilling a slot) or not
+    (the spare slot's churn), and how many were an adapter's second or later load within the segment (thrash)."""
+    delta = {name: n - before.get(name, 0) for name, n in after.items() if n > before.get(name, 0)}
+    planned = set(plan.get("holders", {}))
+    return {"loads_planned": sum(n for a, n in delta.items() if a in planned),
+            "loads_unplanned": sum(n for a, n in delta.items() if a not in planned),
+            "loads_repeated": sum(n - 1 for n in delta.values()), "adapters_loaded": len(delta)}
 
 
 def run_variant(fleet: Fleet, variant: str, segments: list[Segment], payloads: dict) -> list[dict]:

@@ -103,7 +103,7 @@ def app_args(num_adapters: int, args):
 
     return AppArgs(max_loras_per_batch=args.slots, max_lora_rank=16, max_batch_size=args.max_batch_size,
                    max_tokens_limit=64, max_model_len=256, host_cache_bytes=64 << 20,
-                   load_bound_epsilon=args.load_bound_epsilon,
+                   routing={"tie_epsilon": args.load_bound_epsilon},
                    adapters=[AdapterSpec(name=f"demo-{i}", source=f"demo:demo-{i}") for i in range(num_adapters)])
 
 

@@ -31,7 +31,7 @@ def build_fleet(parsed: AppArgs, worker_options: Optional[dict] = None,
     """The application graph; ``worker_options`` / ``ingress_options`` / ``directory_options`` override
     LoRAWorker's / the ingress's / the directory's deployment options (tests, scripts)."""
     plain = parsed.model_dump()
-    directory = AdapterDirectoryActor.options(**(directory_options or {})).bind()
+    directory = AdapterDirectoryActor.options(**(directory_options or {})).bind(routing=parsed.routing.changed())
     drain = dict(graceful_shutdown_timeout_s=parsed.request_timeout_s + DRAIN_MARGIN_S)  # finish what was admitted
     options = dict(
         **drain,

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from engine.config import EngineConfig
 from pool.shapes import ALL_TARGET_MODULES
 from pool.sources import validate_object_store_prefixes, validate_resolver_roots
+from routing.settings import RoutingSettings
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 
@@ -74,7 +75,10 @@ class AppArgs(BaseModel):
     max_tokens_limit: int = Field(default=512, ge=1)
     max_waiting_requests: int = Field(default=64, ge=1)  # per replica engine queue, beyond its running batch
     max_bypass_steps: int = Field(default=16, ge=0)  # steps a blocked queue head may be bypassed (no starvation)
-    load_bound_epsilon: float = Field(default=0.25, ge=0.0)
+    # every routing tunable (routing.settings.RoutingSettings; docs/routing_settings.md), e.g. {tie_epsilon: 0.5}
+    routing: RoutingSettings = Field(default_factory=RoutingSettings)
+    _routing = field_validator("routing", mode="before")(classmethod(
+        lambda cls, v: v if isinstance(v, RoutingSettings) else RoutingSettings.from_mapping(v)))
     pin_replicas: int = Field(default=1, ge=1)
     admin_token_env: str = "LORAFLEET_ADMIN_TOKEN"
     adapter_roots: Optional[list[str]] = None
@@ -118,8 +122,9 @@ class AppArgs(BaseModel):
         return EngineConfig(**values, replica_id=replica_id)
 
     def router_kwargs(self) -> dict:
-        """``request_router_kwargs`` for the worker deployment (routing.ray_router checks the names)."""
-        return {"load_bound_epsilon": self.load_bound_epsilon}
+        """``request_router_kwargs`` for the worker deployment: the routing settings that differ from the defaults
+        (each router rebuilds the one ``RoutingSettings`` from them; routing.ray_router checks the names)."""
+        return self.routing.changed()
 
     def startup_adapters(self) -> list[AdapterSpec]:
         if self.adapters is not None:

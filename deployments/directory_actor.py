@@ -21,6 +21,7 @@ from ray import serve
 from pool.errors import AdapterNotFoundError
 from routing.directory import AdapterDirectory
 from routing.plan import planned_on
+from routing.settings import RoutingSettings
 from routing.warm_start import AdapterPlacement, rehome_targets, warm_start_plan
 
 from .metrics import DirectoryMetrics
@@ -28,7 +29,6 @@ from .registry import RegistryConflictError, RegistryEntry, RegistryWriteError
 
 log = logging.getLogger("ray.serve")
 KV_NAMESPACE = "lorafleet"
-PLAN_INTERVAL_S = 1.0  # how often the placement plan is revisited (its own hysteresis keeps it still)
 DEPARTED_MEMORY_S = 60.0  # how long a departed replica's adapters are offered to survivors
 
 
@@ -58,8 +58,10 @@ class _Versioned:
                   ray_actor_options={"num_cpus": 0},
                   logging_config={"enable_access_log": False})  # reports arrive every few ms
 class AdapterDirectoryActor:
-    def __init__(self, replica_timeout_s: float = 10.0):
-        self.directory = AdapterDirectory(replica_timeout_s=replica_timeout_s)
+    def __init__(self, replica_timeout_s: float = 10.0, routing: Optional[dict] = None):
+        """``routing``: the app's routing settings that differ from the defaults (the plan's among them)."""
+        self.settings = RoutingSettings.from_mapping(routing)
+        self.directory = AdapterDirectory(replica_timeout_s=replica_timeout_s, settings=self.settings)
         self.epoch = uuid.uuid4().hex  # routers start over when the directory restarts
         self.metrics = DirectoryMetrics()
         self._view_changes = _Versioned()
@@ -240,7 +242,7 @@ class AdapterDirectoryActor:
     async def _expire_loop(self) -> None:
         """Once a second: metrics, forget silent replicas, re-plan placement."""
         while True:
-            await asyncio.sleep(PLAN_INTERVAL_S)
+            await asyncio.sleep(self.settings.plan_interval_s)
             self.metrics.update(self.directory)
             self._retire_due_versions()
             held = {r: sorted(s.resident) for r, s in self.directory.replicas.items()}

@@ -28,12 +28,12 @@ from typing import Callable, Iterable, Mapping, Optional, Union
 from pool.events import PoolEvent, PoolSnapshot
 
 from .identity import name_of
-from .plan import FleetPlanner, PlacementPlan, PlanConfig, ReplicaSlots, holder_moves
+from .plan import FleetPlanner, PlacementPlan, ReplicaSlots, holder_moves
 from .router_state import DemandRates
+from .settings import DEFAULT_SETTINGS, RoutingSettings
 
 MAX_COUNTED_UIDS = 4096   # uids whose load/evict counts the directory keeps (a count budget; oldest dropped)
 
-DEMAND_TAU_S = 10.0  # the fleet demand the plan follows: request-seconds per second, decayed over this
 
 
 @dataclass
@@ -122,7 +122,7 @@ def _event(e: EventLike) -> PoolEvent:
 
 class AdapterDirectory:
     def __init__(self, *, replica_timeout_s: float = 15.0, max_log: int = 100_000,
-                 clock: Callable[[], float] = time.monotonic, plan_config: PlanConfig = PlanConfig()):
+                 clock: Callable[[], float] = time.monotonic, settings: RoutingSettings = DEFAULT_SETTINGS):
         self.replicas: dict[str, ReplicaState] = {}
         self.holders: dict[str, set[str]] = {}  # uid -> replica ids
         # uid -> {"load": n, "evict": n}, most recent last; at most MAX_COUNTED_UIDS (oldest dropped), and a
@@ -133,8 +133,8 @@ class AdapterDirectory:
         self.replica_timeout_s = replica_timeout_s
         self._log: deque[tuple[int, str]] = deque(maxlen=max_log)
         self._clock = clock
-        self.demand = DemandRates(DEMAND_TAU_S, clock)  # adapter name -> request-seconds per second, fleet-wide
-        self.planner = FleetPlanner(plan_config)
+        self.demand = DemandRates(settings.demand_tau_s, clock)  # adapter name -> request-seconds per second
+        self.planner = FleetPlanner(settings)
         self.plan_moves: Counter = Counter()  # adapter name -> holders the plan added to it since it was placed
         self.plan_moves_total = 0
 

@@ -41,20 +41,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Optional, Sequence
 
-
-@dataclass(frozen=True)
-class PlanConfig:
-    target_utilization: float = 0.75  # a planned holder is meant to spend this share of its rows on the adapter
-    grow_after_s: float = 5.0         # a wanted extra holder must be wanted this long before it is added
-    shrink_after_s: float = 30.0      # a holder no longer needed goes after this cool-down
-    forget_below: float = 0.0005      # adapters needing less than this share of a replica ...
-    forget_after_s: float = 120.0     # ... for this long leave the plan (a tail adapter keeps its place)
-    move_margin: float = 0.25         # replicas of load a placement must gain before it moves
-    overload_share: float = 0.5       # a holder more loaded than the mean by this share (and by
-    overload_floor: float = 0.1       # ... this many replicas of load) for overload_after_s
-    overload_after_s: float = 30.0    # ... hands placements to the least loaded
-    busy_above: float = 0.8           # planned load (share of a replica's rows) that makes it busy ...
-    busy_below: float = 0.6           # ... until it falls below this: routers spill nothing onto it
+from .settings import DEFAULT_SETTINGS, RoutingSettings
 
 
 @dataclass(frozen=True)
@@ -88,7 +75,7 @@ class PlacementPlan:
 class FleetPlanner:
     """Keeps the plan and its hysteresis timers; ``update`` is called every few seconds."""
 
-    def __init__(self, config: PlanConfig = PlanConfig(), default_rows: int = 8):
+    def __init__(self, config: RoutingSettings = DEFAULT_SETTINGS, default_rows: int = 8):
         self.config = config
         self.default_rows = default_rows
         self.plan = PlacementPlan()

@@ -42,26 +42,10 @@ from typing import Collection, Mapping, Optional, Sequence
 import numpy as np
 
 from .hashing import rendezvous_scores, stable_hash
+from .settings import DEFAULT_SETTINGS, RoutingSettings
 
 SMALL_FLEET = 16  # up to this many replicas every one is scored; beyond, a bounded candidate set
-
-
-@dataclass(frozen=True)
-class RoutingConfig:
-    tie_epsilon: float = 0.25         # ECTs within this many queued requests' wait (T/cap) of the best tie
-    batch_slowdown: float = 0.01      # share of T one more running request adds, until measured (GPU decode: ~1%)
-    default_request_s: float = 0.5    # a replica's request time before any is measured
-    default_max_ongoing: int = 8      # cap when the caller gives none
-    host_load_s: float = 0.002        # load-time priors until a replica reports measured ones
-    disk_load_s: float = 0.05
-    slot_wait_fraction: float = 0.5   # an adapter that cannot join the batch waits ~ this share of T
-    slot_wait_patience: float = 2.0   # request times a request waits in the router for a joinable row
-    demand_horizon: float = 4.0       # a victim asked for within this many request times is "in use"
-    candidate_width: int = 4          # large fleets: rendezvous-first and least-loaded replicas scored
-    spill_margin: float = 2.0         # rows' waits (T / cap) a planned row's wait must exceed a load elsewhere by
-    spill_headroom: int = 2           # free rows a spill target must have beyond those owed (one is a blip)
-    idle_rows: float = 4.0            # rows' waits since a replica was last seen full before it counts as idle
-    max_router_wait: float = 4.0      # rows' waits a request waits for a planned row at most, then any row will do
+DEFAULT_ROWS = 8  # a replica's rows when the caller gives no caps (tests, the simulator's overhead runs)
 
 
 @dataclass
@@ -135,7 +119,7 @@ class FleetView:
 
 
 def choose_replicas(adapter: Optional[str], view: FleetView, loads: Sequence[float] | np.ndarray,
-                    config: RoutingConfig = RoutingConfig(), *, caps: Optional[Sequence[float]] = None,
+                    config: RoutingSettings = DEFAULT_SETTINGS, *, caps: Optional[Sequence[float]] = None,
                     request_s: Optional[Sequence[Optional[float]]] = None,
                     active: Optional[Sequence[Mapping[Optional[str], int]]] = None,
                     demand: Optional[Mapping[str, float]] = None,
@@ -200,7 +184,7 @@ class _Scoring:
         self.load_cost: dict[int, float] = {}  # a load's whole cost there: its time, its victim's, the stall
 
     def cap(self, i: int) -> float:
-        return self.caps[i] if self.caps is not None else float(self.config.default_max_ongoing)
+        return self.caps[i] if self.caps is not None else float(DEFAULT_ROWS)
 
     def request_time(self, i: int) -> float:
         return (self.request_s[i] if self.request_s is not None else None) or self.config.default_request_s
@@ -334,7 +318,7 @@ def _can_join(adapter: Optional[str], i: int, view: FleetView, active: Sequence[
     return len(running) + pinned_idle < view.slots[i]
 
 
-def _load_s(view: FleetView, i: int, warm: bool, config: RoutingConfig) -> float:
+def _load_s(view: FleetView, i: int, warm: bool, config: RoutingSettings) -> float:
     if warm:
         measured = view.host_load_s[i] if view.host_load_s is not None else None
         return measured if measured is not None else config.host_load_s
@@ -361,7 +345,7 @@ def _victim_demand(view: FleetView, i: int, active: Optional[Sequence[Mapping]],
 
 
 def _candidates(adapter: Optional[str], view: FleetView, loads: list, holders: Collection[int],
-                config: RoutingConfig) -> list[int]:
+                config: RoutingSettings) -> list[int]:
     """Large fleets: holders, host-tier copies, the first ``candidate_width`` replicas in the
     adapter's rendezvous order, and the ``candidate_width`` least loaded (O(n) once, in numpy)."""
     k = config.candidate_width

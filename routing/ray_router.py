@@ -37,7 +37,6 @@ chosen for it.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import threading
 import time
@@ -46,15 +45,13 @@ from typing import List, Optional
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from .policy import RoutingConfig, choose_replicas
+from .policy import choose_replicas
 from .router_state import LocalRouterState
+from .settings import RoutingSettings
 from .view import RouterView
-from .waiters import DEFAULT_MAX_ROUTING_TASKS, OldestFirstWaiters
+from .waiters import OldestFirstWaiters
 
 log = logging.getLogger("ray.serve")
-STATS_APPLY_INTERVAL_S = 0.1
-MAX_WAIT_PER_CALL_S = 1.0  # a waiting request is re-offered to Serve this often (replica set changes)
-REPEAT_WINDOW_S = 0.01     # the same request back this soon: Serve could not use our choice; wait first
 
 
 def request_adapter(pending_request: Optional[PendingRequest]) -> Optional[str]:
@@ -99,41 +96,26 @@ class _RouterMetrics:
 
 
 def check_router_kwargs(kwargs: dict) -> None:
-    """Refuse ``request_router_kwargs`` the router does not take, naming them (called at deploy time)."""
-    known = set(inspect.signature(AdapterAffinityRouter.initialize_state).parameters) - {"self"}
-    unknown = sorted(set(kwargs) - known)
-    if unknown:
-        raise ValueError(f"unknown request_router_kwargs {unknown} for AdapterAffinityRouter; "
-                         f"it takes {sorted(known)}")
+    """Refuse ``request_router_kwargs`` the router does not take, or values out of range, naming them (called at
+    deploy time, so a typo fails the deploy instead of every router's first request)."""
+    settings = {k: v for k, v in kwargs.items() if k != "directory_deployment"}
+    try:
+        RoutingSettings.from_mapping(settings)
+    except ValueError as exc:
+        raise ValueError(f"request_router_kwargs for AdapterAffinityRouter: {exc}") from None
 
 
 class AdapterAffinityRouter(RequestRouter):
-    def initialize_state(self, load_bound_epsilon: float = 0.25, optimistic_ttl_s: float = 3.0,
-                         directory_deployment: str = "AdapterDirectory", poll_timeout_s: float = 5.0,
-                         min_poll_interval_s: float = 0.2, host_load_s: float = 0.002, disk_load_s: float = 0.05,
-                         default_request_s: float = 0.5, capacity_poll_s: float = 0.05,
-                         metrics_export_interval_s: float = 5.0, requests_per_poll: int = 16,
-                         max_routing_tasks: int = DEFAULT_MAX_ROUTING_TASKS) -> None:
-        """``load_bound_epsilon``: replicas whose expected completion times are within this many
-        queued requests' wait of the best are a tie, broken by rendezvous order (larger: more
-        affinity and agreement between routers; smaller: tighter balance). ``host_load_s`` /
-        ``disk_load_s`` / ``default_request_s``: priors until replicas report measured ones.
-        ``requests_per_poll``: the directory feed polls at most once per this many routed requests.
-        ``max_routing_tasks``: pending requests routed at once (Serve's default is twice the replica
-        count); see ``max_num_routing_tasks``."""
-        self.routing_config = RoutingConfig(tie_epsilon=load_bound_epsilon, host_load_s=host_load_s,
-                                            disk_load_s=disk_load_s, default_request_s=default_request_s)
-        self.view = RouterView(ttl_s=optimistic_ttl_s)
-        self.local = LocalRouterState()
+    def initialize_state(self, directory_deployment: str = "AdapterDirectory", **settings) -> None:
+        """``settings``: any ``routing.settings.RoutingSettings`` field (the app passes those set in
+        ``serve_config.yaml``'s ``args.routing``); ``directory_deployment``: where the view comes from."""
+        self.settings = RoutingSettings.from_mapping(settings)
+        s = self.settings
+        self.view = RouterView(ttl_s=s.view_ttl_s)
+        self.local = LocalRouterState(settings=s)
         self.directory_deployment = directory_deployment
-        self.poll_timeout_s = poll_timeout_s
-        self.min_poll_interval_s = min_poll_interval_s  # batches bursts of deltas: one view rebuild each
-        self.capacity_poll_s = capacity_poll_s
-        self.metrics_export_interval_s = metrics_export_interval_s
-        self.requests_per_poll = requests_per_poll
-        self.max_routing_tasks = max_routing_tasks
         self._routed = 0  # requests routed so far (paces the directory feed)
-        self._routed_at_poll = -requests_per_poll  # the first poll goes out at once
+        self._routed_at_poll = -s.requests_per_poll  # the first poll goes out at once
         self._feed_due = threading.Event()  # set once requests_per_poll requests were routed since the last poll
         self.decisions: Counter = Counter()  # affinity | spill | placement | base | wait | waited
         self._poll_thread: Optional[threading.Thread] = None
@@ -162,7 +144,8 @@ class AdapterAffinityRouter(RequestRouter):
         them and the first whose expected completion time is lowest there takes the row.
         """
         serve_default = 2 * len(self._replicas)
-        return max(serve_default, min(getattr(self, "max_routing_tasks", serve_default), 1000))
+        settings = getattr(self, "settings", None)
+        return max(serve_default, min(settings.max_routing_tasks if settings else serve_default, 1000))
 
     async def choose_replicas(self, candidate_replicas: List[RunningReplica],
                               pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
@@ -176,7 +159,7 @@ class AdapterAffinityRouter(RequestRouter):
         if candidate_replicas is not self._candidates_of:
             self._set_candidates(candidate_replicas)
         now = time.monotonic()
-        if now - self._stats_applied_at >= STATS_APPLY_INTERVAL_S:  # stats change once a period, not per request
+        if now - self._stats_applied_at >= self.settings.stats_apply_interval_s:  # stats change once a period, not per request
             self._stats_applied_at = now
             for replica_id, replica in self._by_id.items():
                 self.view.apply_routing_stats(replica_id, replica.routing_stats)
@@ -196,9 +179,9 @@ class AdapterAffinityRouter(RequestRouter):
             self._first_seen = {request_id: first_seen}
         if pending_request is not None:
             pending_request.routing_context.should_backoff = False  # we wait for capacity ourselves
-            if self._last_call[0] == request_id and now - self._last_call[1] < REPEAT_WINDOW_S:
+            if self._last_call[0] == request_id and now - self._last_call[1] < self.settings.repeat_window_s:
                 await self._wait_for_capacity(first_seen)  # Serve could not use the last choice: do not spin
-        deadline = time.monotonic() + MAX_WAIT_PER_CALL_S
+        deadline = time.monotonic() + self.settings.max_wait_per_call_s
         kind = None
         counted = False  # this request is in ``_waiting`` (the rows its planned replicas owe it)
         try:
@@ -215,7 +198,7 @@ class AdapterAffinityRouter(RequestRouter):
                 # only other routers' completions go unseen: with none in the way, wait for ours (no polling);
                 # with them, the oldest waiting request polls for all (the room its probe finds wakes the rest)
                 poll = others and self._waiters.first_in_line(first_seen)
-                timeout = self.capacity_poll_s if poll else deadline - time.monotonic()
+                timeout = self.settings.capacity_poll_s if poll else deadline - time.monotonic()
                 if not await self._wait_for_capacity(first_seen, timeout) and poll:
                     # nothing of ours finished, but other routers' requests fill the best replica and
                     # their completions are invisible here: offer it, so Serve asks it for its queue length
@@ -256,7 +239,7 @@ class AdapterAffinityRouter(RequestRouter):
             if q >= cap:
                 local.saw_full(rid)
             loads.append(q)
-        return choose_replicas(adapter, self.view.fleet_view(ids, adapter), loads, self.routing_config,
+        return choose_replicas(adapter, self.view.fleet_view(ids, adapter), loads, self.settings,
                                caps=self._caps, request_s=local.request_s_by_index(ids),
                                active=local.active_by_index(ids), demand=local.demand,
                                last_used=local.last_used_by_index(ids), batch_slowdown=local.batch_slowdown(),
@@ -267,7 +250,7 @@ class AdapterAffinityRouter(RequestRouter):
         """Until a request of ours completes or a replica reports room (True), or ``timeout`` (default
         ``capacity_poll_s``) passes (False: other routers' requests may have completed unseen).
         Woken requests decide again oldest first (``since``: when the request first asked)."""
-        return await self._waiters.wait(since, self.capacity_poll_s if timeout is None else timeout)
+        return await self._waiters.wait(since, self.settings.capacity_poll_s if timeout is None else timeout)
 
     def _others_fill(self, index: Optional[int]) -> bool:
         """Whether replica ``index`` looks full partly because of requests this router did not send."""
@@ -290,7 +273,7 @@ class AdapterAffinityRouter(RequestRouter):
         request_id = pending_request.metadata.internal_request_id
         self.local.routed(request_id, rid, adapter)
         self._routed += 1
-        if self._routed - self._routed_at_poll >= self.requests_per_poll:
+        if self._routed - self._routed_at_poll >= self.settings.requests_per_poll:
             self._feed_due.set()
         self.view.record_decision(adapter, rid)
         self._first_seen.pop(request_id, None)
@@ -343,29 +326,30 @@ class AdapterAffinityRouter(RequestRouter):
         bounded whatever the request rate; a poll returns at once when the view has moved."""
         from ray import serve
 
+        s = self.settings
         handle = None
         version = -1
-        exported = last_poll = time.monotonic() - self.poll_timeout_s  # the first poll goes out at once
+        exported = last_poll = time.monotonic() - s.poll_timeout_s  # the first poll goes out at once
         while not loop.is_closed():
             # sleep until traffic makes a poll due (on_request_routed sets the event) or the idle period ends
-            self._feed_due.wait(max(0.0, min(last_poll + self.poll_timeout_s, exported + self.metrics_export_interval_s)
+            self._feed_due.wait(max(0.0, min(last_poll + s.poll_timeout_s, exported + s.metrics_export_interval_s)
                                     - time.monotonic()))
             now = time.monotonic()
-            if now - exported >= self.metrics_export_interval_s:
+            if now - exported >= s.metrics_export_interval_s:
                 exported = now
                 last = self.view.last_update
                 self.metrics.lag_s = now - last if last else 0.0
                 self._export_metrics()
-            if not self._feed_due.is_set() and now - last_poll < self.poll_timeout_s:
+            if not self._feed_due.is_set() and now - last_poll < s.poll_timeout_s:
                 continue  # woken to export metrics only
-            if now - last_poll < self.min_poll_interval_s:
-                time.sleep(self.min_poll_interval_s - (now - last_poll))
+            if now - last_poll < s.min_poll_interval_s:
+                time.sleep(s.min_poll_interval_s - (now - last_poll))
             self._feed_due.clear()
             self._routed_at_poll, last_poll = self._routed, time.monotonic()
             try:
                 if handle is None:
                     handle = serve.get_deployment_handle(self.directory_deployment, app_name=self.app_name)
-                timeout = min(self.poll_timeout_s, self.metrics_export_interval_s)
+                timeout = min(s.poll_timeout_s, s.metrics_export_interval_s)
                 reply = handle.get_changes.remote(version, timeout, self.view.plan_version).result(
                     timeout_s=timeout + 10)
                 version = reply["version"] if "full" in reply or reply.get("epoch") == self._epoch_seen else -1

@@ -23,6 +23,8 @@ import time
 from collections import Counter
 from typing import Callable, Mapping, Optional, Sequence
 
+from .settings import DEFAULT_SETTINGS, RoutingSettings
+
 _EMPTY: Mapping = {}
 PRUNE_INTERVAL_S = 10.0
 
@@ -75,13 +77,13 @@ class ByIndex:
 
 
 class LocalRouterState:
-    def __init__(self, clock: Callable[[], float] = time.monotonic, request_time_alpha: float = 0.2,
-                 demand_tau_s: float = 10.0, send_ttl_s: float = 1.0, max_tracked: int = 10_000):
+    def __init__(self, clock: Callable[[], float] = time.monotonic, settings: RoutingSettings = DEFAULT_SETTINGS,
+                 max_tracked: int = 10_000):
         self._clock = clock
-        self.alpha = request_time_alpha
-        self.send_ttl_s = send_ttl_s
+        self.alpha = settings.request_time_alpha
+        self.send_ttl_s = settings.send_ttl_s
         self.max_tracked = max_tracked
-        self.demand = DemandRates(demand_tau_s, clock)
+        self.demand = DemandRates(settings.demand_tau_s, clock)
         self.request_time: dict[str, float] = {}              # replica -> EWMA seconds
         self.inflight: Counter = Counter()                     # replica -> requests in flight
         self.active: dict[str, Counter] = {}                   # replica -> adapter -> requests in flight

@@ -13,8 +13,6 @@ import asyncio
 import bisect
 import itertools
 
-DEFAULT_MAX_ROUTING_TASKS = 64  # waiting requests a router asks Serve to route at once (Serve's own: 2 x replicas)
-
 
 class OldestFirstWaiters:
     def __init__(self) -> None:

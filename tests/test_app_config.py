@@ -47,9 +47,18 @@ def test_bad_settings_are_refused_naming_the_field(field, value):
 
 
 def test_router_kwargs_from_app_args_are_accepted():
-    check_router_kwargs(AppArgs(load_bound_epsilon=0.5).router_kwargs())
+    kwargs = AppArgs(routing={"tie_epsilon": 0.5, "grow_after_s": 10}).router_kwargs()
+    assert kwargs == {"tie_epsilon": 0.5, "grow_after_s": 10}
+    check_router_kwargs(kwargs)
 
 
 def test_misspelt_router_kwarg_is_refused_naming_it():
-    with pytest.raises(ValueError, match="load_bound_epsilom"):
-        check_router_kwargs({"load_bound_epsilom": 0.5})
+    with pytest.raises(ValueError, match="tie_epsilom"):
+        check_router_kwargs({"tie_epsilom": 0.5})
+
+
+def test_misspelt_or_out_of_range_routing_setting_fails_the_app_args():
+    with pytest.raises(ValidationError, match="tie_epsilom"):
+        AppArgs(routing={"tie_epsilom": 0.5})
+    with pytest.raises(ValidationError, match="target_utilization"):
+        AppArgs(routing={"target_utilization": 1.5})

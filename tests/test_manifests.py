@@ -320,7 +320,7 @@ def test_serve_config_validates_with_ray_schema_and_app_args(name):
         assert worker["max_ongoing_requests"] == args.max_batch_size, "spill only when the batch is really full"
         router = worker["request_router_config"]
         assert router["request_router_class"] == "routing.ray_router:AdapterAffinityRouter"
-        assert router["request_router_kwargs"]["load_bound_epsilon"] == args.load_bound_epsilon
+        assert router.get("request_router_kwargs", {}) == args.router_kwargs()
         names = [a.name for a in args.startup_adapters()]
         assert len(names) == len(set(names))
         for deployment in app["deployments"]:   # a drain must outlast the longest request it may cut

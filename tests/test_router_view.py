@@ -3,6 +3,7 @@
 import pytest
 
 from routing.identity import name_of
+from routing.settings import RoutingSettings
 from routing.view import RouterView
 
 
@@ -160,7 +161,7 @@ def test_local_state_tracks_requests_in_flight_and_their_adapters():
 
 def test_request_time_is_an_ewma_and_unmeasured_replicas_get_the_mean():
     clock = Clock()
-    s = LocalRouterState(clock=clock, request_time_alpha=0.5)
+    s = LocalRouterState(clock=clock, settings=RoutingSettings(request_time_alpha=0.5))
     for seconds in (1.0, 3.0):
         s.routed("q", "r0", "a")
         clock.now += seconds
@@ -172,7 +173,7 @@ def test_request_time_is_an_ewma_and_unmeasured_replicas_get_the_mean():
 
 def test_a_choice_counts_against_its_replica_until_serve_sends_it_or_it_expires():
     clock = Clock()
-    s = LocalRouterState(clock=clock, send_ttl_s=1.0)
+    s = LocalRouterState(clock=clock, settings=RoutingSettings(send_ttl_s=1.0))
     s.chose("q1", "r0")
     s.chose("q2", "r0")
     s.chose("q2", "r1")  # the same request decided again: its earlier choice is released
@@ -186,7 +187,7 @@ def test_a_choice_counts_against_its_replica_until_serve_sends_it_or_it_expires(
 
 def test_demand_decays_with_time():
     clock = Clock()
-    s = LocalRouterState(clock=clock, demand_tau_s=10.0)
+    s = LocalRouterState(clock=clock, settings=RoutingSettings(demand_tau_s=10.0))
     for _ in range(10):
         s.routed("q", "r0", "hot")
         s.completed("q")

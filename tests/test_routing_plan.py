@@ -5,7 +5,8 @@ from collections import Counter
 from hypothesis import given, settings, strategies as st
 
 from routing.directory import AdapterDirectory
-from routing.plan import FleetPlanner, PlacementPlan, PlanConfig, ReplicaSlots
+from routing.plan import FleetPlanner, PlacementPlan, ReplicaSlots
+from routing.settings import RoutingSettings
 
 DEMO = [f"demo-{i}" for i in range(6)]
 
@@ -42,7 +43,7 @@ def test_residency_is_kept_when_loads_are_alike():
 
 
 def test_a_hot_adapter_gets_holders_in_proportion_after_its_grow_delay():
-    cfg = PlanConfig(grow_after_s=5.0, target_utilization=0.75)
+    cfg = RoutingSettings(grow_after_s=5.0, target_utilization=0.75)
     planner = FleetPlanner(cfg)
     reps = replicas(n=4, slots=4)
     demand = {"hot": 0.5, "cold": 0.5}
@@ -54,7 +55,7 @@ def test_a_hot_adapter_gets_holders_in_proportion_after_its_grow_delay():
 
 
 def test_a_blip_that_ends_before_the_delay_resets_the_timer():
-    planner = FleetPlanner(PlanConfig(grow_after_s=5.0))
+    planner = FleetPlanner(RoutingSettings(grow_after_s=5.0))
     reps = replicas(n=4, slots=4)
     planner.update(0.0, {"a": 1.0}, reps)
     planner.update(1.0, {"a": 30.0}, reps)
@@ -65,7 +66,7 @@ def test_a_blip_that_ends_before_the_delay_resets_the_timer():
 
 
 def test_holders_go_after_the_cool_down_and_idle_adapters_leave_the_plan():
-    cfg = PlanConfig(grow_after_s=0.0, shrink_after_s=30.0)
+    cfg = RoutingSettings(grow_after_s=0.0, shrink_after_s=30.0)
     planner = FleetPlanner(cfg)
     reps = replicas(n=4, slots=4)
     planner.update(0.0, {"a": 24.0, "b": 1.0}, reps)
@@ -120,7 +121,7 @@ def test_plan_round_trips_through_a_dict():
 @given(st.lists(st.floats(0.0, 40.0), min_size=1, max_size=30), st.integers(1, 6), st.integers(1, 5),
        st.lists(st.floats(0.0, 100.0), min_size=1, max_size=4))
 def test_plans_respect_replicas_budgets_and_counts(needs, n, slots, times):
-    planner = FleetPlanner(PlanConfig(grow_after_s=1.0, shrink_after_s=2.0))
+    planner = FleetPlanner(RoutingSettings(grow_after_s=1.0, shrink_after_s=2.0))
     reps = replicas(n=n, slots=slots)
     demand = {f"a{i}": x for i, x in enumerate(needs)}
     ids = {r.replica_id for r in reps}

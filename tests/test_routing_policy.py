@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from routing.hashing import rendezvous_order, stable_hash
-from routing.policy import FleetView, RoutingConfig, choose_replicas
+from routing.policy import FleetView, choose_replicas
+from routing.settings import RoutingSettings
 
 IDS = tuple(f"replica-{i}" for i in range(8))
 CAPS = [8.0] * 8
@@ -99,7 +100,7 @@ def test_a_request_waits_in_the_router_at_most_its_bound():
     """Past ``max_router_wait`` rows' waits (4 x 0.2 s / 8 = 0.1 s) any idle row takes it."""
     ids = IDS[:2]
     v = planned_view({"a": {0}}, {"a": {0}}, ids=ids)
-    cfg = RoutingConfig(max_router_wait=4.0)
+    cfg = RoutingSettings(max_router_wait=4.0)
     assert choose_replicas("a", v, [8, 0], cfg, caps=[8, 8], request_s=[0.2, 0.2], waited_s=0.05).wait
     late = choose_replicas("a", v, [8, 0], cfg, caps=[8, 8], request_s=[0.2, 0.2], waited_s=0.12)
     assert late.tiers == [[1]] and late.kind == "spill"
@@ -115,7 +116,7 @@ def test_work_conserving_within_the_planned_set():
 
 def test_a_free_row_costs_no_wait_and_a_full_replica_one_rows_worth():
     v = view({"a": {0}}, ids=IDS[:2])
-    cfg = RoutingConfig(batch_slowdown=0.0)
+    cfg = RoutingSettings(batch_slowdown=0.0)
     assert choose_replicas("a", v, [7, 0], cfg, caps=[8, 8], request_s=[0.4, 0.4]).ect[0] == 0.0
     assert choose_replicas("a", v, [8, 0], cfg, caps=[8, 8], request_s=[0.4, 0.4]).ect[0] == pytest.approx(0.05)
 
@@ -170,7 +171,7 @@ def test_evicting_an_adapter_in_demand_costs_its_reload():
     ids = IDS[:2]
     v = planned_view({"new": {0, 1}}, free=[0, 0], residents=[("busy",), ("idle",)], host_s=0.01, disk_s=0.01,
                      ids=ids)
-    cfg = RoutingConfig(tie_epsilon=0.0)
+    cfg = RoutingSettings(tie_epsilon=0.0)
     decision = choose_replicas("new", v, [0, 0], cfg, caps=[8, 8], demand={"busy": 5.0, "idle": 0.0})
     assert decision.tiers == [[1]] and decision.ect[0] > decision.ect[1]
     flipped = choose_replicas("new", v, [0, 0], cfg, caps=[8, 8], demand={"busy": 0.0, "idle": 5.0})
@@ -182,7 +183,7 @@ def test_pinned_adapters_are_never_victims():
     ids = IDS[:2]
     v = planned_view({"new": {0, 1}}, free=[0, 0], slots=2, residents=[("p", "r"), ("q", "s")],
                      pinned=[frozenset({"p"}), frozenset()], host_s=0.01, disk_s=0.01, ids=ids)
-    decision = choose_replicas("new", v, [0, 0], RoutingConfig(tie_epsilon=0.0), caps=[8, 8], active=[{}, {}],
+    decision = choose_replicas("new", v, [0, 0], RoutingSettings(tie_epsilon=0.0), caps=[8, 8], active=[{}, {}],
                                demand={"p": 0.0, "r": 5.0, "q": 5.0, "s": 5.0})
     assert decision.ect[0] == pytest.approx(decision.ect[1]) == pytest.approx(0.02)
 

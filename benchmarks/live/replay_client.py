@@ -28,6 +28,14 @@ class ReplayClient:
     def pid(self) -> int:
         return os.getpid()
 
+    def decisions(self) -> dict:
+        """This process's router's decision counts by kind (the affinity router only; empty for Serve's)."""
+        try:
+            router = self.handle._router._asyncio_router._request_router
+        except AttributeError:
+            return {}
+        return dict(getattr(router, "decisions", {}))
+
     async def run(self, requests: list[tuple[float, str, list[int], int]], start_at: float) -> dict:
         """``(arrival s, adapter, prompt token ids, max_tokens)`` each; sending starts at wall time ``start_at``."""
         from engine.request import GenerateRequest

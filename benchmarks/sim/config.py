@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from routing.waiters import DEFAULT_MAX_ROUTING_TASKS
+from routing.settings import DEFAULT_SETTINGS
 
 from .costs import CostModel
 
@@ -21,7 +21,7 @@ class SimConfig:
     lag_s: float = 0.1              # pool event -> router view
     load_bound_epsilon: float = 0.25
     routing_tasks_per_replica: int = 2  # Serve routes at most this many waiting requests per replica at once
-    routing_tasks_min: int = DEFAULT_MAX_ROUTING_TASKS  # ... and the affinity router asks for at least this many
+    routing_tasks_min: int = DEFAULT_SETTINGS.max_routing_tasks  # ... and the affinity router asks for at least this many
     optimistic_ttl_s: float = 3.0   # the router's default
     multiplex_timeout_s: float = 1.0  # Serve's RAY_SERVE_MULTIPLEXED_MODEL_ID_MATCHING_TIMEOUT_S (x U(1, 2))
     backoff_initial_s: float = 0.025

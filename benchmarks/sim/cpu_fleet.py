@@ -40,7 +40,7 @@ from pool.adapter import AdapterConfig, LoRAAdapterWeights
 from pool.memory_pool import LoRAMemoryPool, batch_order
 from pool.shapes import LoRAModelShape
 
-from routing.waiters import DEFAULT_MAX_ROUTING_TASKS
+from routing.settings import DEFAULT_SETTINGS
 
 from .config import SimConfig, SimRequest
 from .costs import CostModel
@@ -152,7 +152,7 @@ class CpuFleet:
         # Serve routes 2 x replicas waiting requests at once; the affinity router asks for more
         self.routing_tasks = 2 * cfg.replicas
         if self.router.waits_for_capacity:
-            self.routing_tasks = max(self.routing_tasks, DEFAULT_MAX_ROUTING_TASKS)
+            self.routing_tasks = max(self.routing_tasks, DEFAULT_SETTINGS.max_routing_tasks)
         self.cpu_log: deque[tuple[float, float]] = deque()  # (time, control-plane CPU seconds spent)
         self.share_sum = self.share_n = 0.0
         self.loads = 0

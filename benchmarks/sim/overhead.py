@@ -25,7 +25,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from routing.plan import FleetPlanner, ReplicaSlots
-from routing.policy import RoutingConfig, choose_replicas
+from routing.policy import choose_replicas
+from routing.settings import DEFAULT_SETTINGS
 from routing.router_state import LocalRouterState
 from routing.view import RouterView
 
@@ -65,7 +66,7 @@ def measure(replicas: int, adapters: int = 10_000, *, calls: int = 20_000,
     reply = {"epoch": "bench", "version": 1, "full": full, "plan": plan.to_dict()}
     asked = [adapter_uid(int(a)) for a in popularity.sample(calls, adapters, rng)]
     loads = rng.integers(0, max_batch, replicas).astype(np.float64)
-    config = RoutingConfig(default_max_ongoing=max_batch)
+    config = DEFAULT_SETTINGS
     now = [0.0]
     view = RouterView(ttl_s=3.0, clock=lambda: now[0])
     view.apply_directory_reply(reply)

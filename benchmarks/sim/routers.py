@@ -41,7 +41,8 @@ from typing import Optional, Protocol
 import numpy as np
 
 from routing.hashing import rendezvous_scores, stable_hash
-from routing.policy import FleetView, RoutingConfig, choose_replicas
+from routing.policy import FleetView, choose_replicas
+from routing.settings import RoutingSettings
 from routing.router_state import LocalRouterState
 from routing.view import RouterView
 
@@ -113,8 +114,8 @@ class AffinityRouter(_ViewRouter):
         cfg, costs = sim.config, sim.config.costs
         host_s, disk_s = cfg.prior_load_s or (costs.load_seconds(16, True), costs.load_seconds(16, False))
         request_s = cfg.prior_request_s or costs.service_seconds(256, 256)
-        self.config = RoutingConfig(tie_epsilon=cfg.load_bound_epsilon, default_max_ongoing=sim.max_ongoing,
-                                    host_load_s=host_s, disk_load_s=disk_s, default_request_s=request_s)
+        self.config = RoutingSettings(tie_epsilon=cfg.load_bound_epsilon, host_load_s=host_s, disk_load_s=disk_s,
+                                      default_request_s=request_s)
         self.local = LocalRouterState(clock=lambda: sim.now)
         self.caps = [float(sim.max_ongoing)] * len(sim.ids)
         self.waiting: Counter = Counter()  # adapter -> requests waiting for a planned row (as the live router)
