@@ -73,11 +73,9 @@ class LoadClient:
 
     def decisions(self) -> dict:
         """This process's router's decision counts (our router only; empty for Serve's)."""
-        try:
-            router = self.handle._router._asyncio_router._request_router
-        except AttributeError:
-            return {}
-        return dict(getattr(router, "decisions", {}))
+        from .processes import router_decisions
+
+        return router_decisions(self.handle)
 
 
 def split(items: list, parts: int) -> list[list]:

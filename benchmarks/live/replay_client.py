@@ -30,11 +30,9 @@ class ReplayClient:
 
     def decisions(self) -> dict:
         """This process's router's decision counts by kind (the affinity router only; empty for Serve's)."""
-        try:
-            router = self.handle._router._asyncio_router._request_router
-        except AttributeError:
-            return {}
-        return dict(getattr(router, "decisions", {}))
+        from .processes import router_decisions
+
+        return router_decisions(self.handle)
 
     async def run(self, requests: list[tuple[float, str, list[int], int]], start_at: float) -> dict:
         """``(arrival s, adapter, prompt token ids, max_tokens)`` each; sending starts at wall time ``start_at``."""
