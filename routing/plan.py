@@ -20,7 +20,10 @@ directory (one writer, read by every router) keeps a plan, and routers route wit
   ``overload_after_s``: a demand blip moves nothing, since each move is a load and an eviction
   somewhere, but a replica that joins (or a lasting imbalance) takes placements from the most
   loaded: at once for placements nothing has asked for yet (at start-up, all of them), after
-  ``overload_after_s`` for those in use. A joining replica warms what it will be given. Budget per replica: its slots, minus one
+  ``overload_after_s`` for those in use. A joining replica warms what it will be given. When
+  no budget is left, a placement that needs ``displace_ratio`` times more than a replica's least
+  needed budgeted one takes that slot's budget (the other stays planned there, loaded on demand):
+  slots planned before demand was measured do not keep their budget for good. Budget per replica: its slots, minus one
   when the planned copies do not all fit (that slot serves what the plan could not place:
   without it every such request would evict a planned adapter, which then reloads). An
   adapter that finds no budget is still planned, on the least loaded replica (it will load
@@ -196,13 +199,38 @@ class FleetPlanner:
                        key=lambda a: (-need.get(a, 0.0), a))
         share = {a: need.get(a, 0.0) / counts[a] for a in order}
 
+        slotted: list[dict[str, float]] = [{} for _ in range(n)]  # replica -> budgeted placements and their shares
+
         def take(name: str, i: int, budgeted: bool = True) -> None:
             chosen.setdefault(name, []).append(i)
             load[i] += share[name]
             heapq.heappush(anywhere, (load[i], i))
             if budgeted:
                 budget[i] -= 1
+                slotted[i][name] = share[name]
                 heapq.heappush(heap, (load[i], i))
+
+        def displace(name: str, picked: list, cost) -> Optional[int]:
+            """No budget left: the replica whose least needed budgeted placement ``name`` needs
+            ``displace_ratio`` times more gives that slot's budget up (the placement stays planned
+            there, loaded on demand). Without this, slots planned before any demand was measured
+            (every registered adapter at start-up) keep their budget for good and a hot adapter never
+            gets a second holder."""
+            best, best_key = None, None
+            for i in range(n):
+                if i in picked or not slotted[i]:
+                    continue
+                victim = min(slotted[i], key=lambda a: (slotted[i][a], a))
+                if slotted[i][victim] * cfg.displace_ratio >= share[name]:
+                    continue
+                key = cost(i)
+                if best_key is None or key < best_key:
+                    best, best_key = i, key
+            if best is not None:
+                victim = min(slotted[best], key=lambda a: (slotted[best][a], a))
+                del slotted[best][victim]
+                budget[best] += 1
+            return best
 
         # first every planned holder keeps its slot (so no placement loses its budget to a newcomer),
         # except on a replica that has been overloaded for overload_after_s (or just joined by
@@ -223,9 +251,10 @@ class FleetPlanner:
                 cands = {i for i in known.get(name, set()) if budget[i] > 0}
                 cands.update(_least_loaded(heap, load, budget, k + 2))
                 cands.difference_update(picked)
-                if not cands:
+                target = min(cands, key=cost) if cands else displace(name, picked, cost)
+                if target is None:
                     break
-                take(name, min(cands, key=cost))
+                take(name, target)
             if not picked:  # no budget anywhere: loaded on demand where it was planned, else the least loaded
                 kept = [i for i in prev if i not in shedding]
                 take(name, min(kept or _least_loaded(anywhere, load, no_limit, 2), key=cost), budgeted=False)

@@ -16,7 +16,8 @@ Each field has one unit, named in its metadata and in the generated table
   (how long a full replica takes to free one row): the policy's scale of waiting, measured per
   replica, so one figure fits a CPU demo and a GPU fleet;
 - ``request times``: multiples of a replica's measured request time;
-- ``replicas``: replicas' worth of load (requests in service over a replica's rows).
+- ``replicas``: replicas' worth of load (requests in service over a replica's rows);
+- ``factor``: a ratio of two quantities of the same kind.
 
 No Ray here.
 """
@@ -128,6 +129,10 @@ class RoutingSettings:
                                      "overload_floor) for overload_after_s hands placements to the least loaded")
     overload_floor: float = _setting(0.1, "replicas", PLAN, "see overload_share")
     overload_after_s: float = _setting(30.0, "s", PLAN, "see overload_share")
+    displace_ratio: float = _setting(2.0, "factor", PLAN,
+                                     "with no slot budget left, a placement needing this many times more than a "
+                                     "replica's least needed budgeted one takes that slot's budget", minimum=1.0,
+                                     above=True)
     busy_above: float = _setting(0.8, "share", PLAN,
                                  "planned load (share of a replica's rows) that makes a replica busy: no spill "
                                  "goes there ...", maximum=1.0)
@@ -181,7 +186,8 @@ def markdown_table() -> str:
              "`routing: {tie_epsilon: 0.5, grow_after_s: 10}`.", "",
              "Units: `s` seconds; `count`; `share` a fraction 0-1; `row waits` multiples of a replica's measured",
              "request time over its rows (the wait for one row of a full replica); `request times` multiples of a",
-             "replica's measured request time; `replicas` replicas' worth of load.", ""]
+             "replica's measured request time; `replicas` replicas' worth of load; `factor` a ratio of two like",
+             "quantities.", ""]
     for group in (POLICY, FEED, PLAN):
         lines += [f"## {group[0].upper()}{group[1:]}", "", "| setting | default | unit | meaning |",
                   "|---|---|---|---|"]

@@ -157,3 +157,35 @@ def test_registered_adapters_are_planned_before_their_first_request():
     warmed = FleetPlanner()
     warmed.update(0.0, {}, replicas(), registered=DEMO)
     assert warmed.update(5.0, {a: 0.5 for a in DEMO}, replicas(), registered=DEMO).holders == plan.holders
+
+
+def _slotted(plan, replicas: int, slots: int, need_of) -> set:
+    """The placements that fit their replica's slots when each replica keeps its neediest planned adapters."""
+    out = set()
+    for r in range(replicas):
+        on = sorted((a for a, h in plan.holders.items() if f"r{r:02d}" in h), key=lambda a: -need_of(a))
+        out.update((a, f"r{r:02d}") for a in on[:slots])
+    return out
+
+
+def test_registered_placements_made_before_any_demand_give_up_their_budget_to_hot_adapters():
+    # 256 registered adapters fill every slot budget at start-up (no demand yet). Then Zipf demand arrives: the
+    # hot adapters must get the holders their load needs, and the neediest adapters the slots, instead of the
+    # start-up (alphabetical) placements keeping their budget for good
+    n, slots, count = 16, 8, 256
+    names = [f"a{k:03d}" for k in range(count)]
+    harmonic = sum(1 / (k + 1) for k in range(count))
+    demand = {names[k]: 0.8 * n * 8 / ((k + 1) * harmonic) for k in range(count)}  # a000 hottest
+    reps = [ReplicaSlots(f"r{i:02d}", slots, 8) for i in range(n)]
+    planner = FleetPlanner(RoutingSettings(grow_after_s=5.0))
+    planner.update(0.0, {}, reps, registered=names)
+    for t in range(1, 60):
+        plan = planner.update(float(t), demand, reps, registered=names)
+    assert len(plan.holders["a000"]) == 3   # needs 2.1 replicas at 75% utilisation
+    assert len(plan.holders["a001"]) == 2
+    assert all(len(plan.holders[a]) == 1 for a in names[2:])
+    # every one of the 100 neediest adapters has a holder where it fits the slots (a budgeted placement)
+    fitted = {a for a, _ in _slotted(plan, n, slots, lambda a: demand[a])}
+    assert set(names[:100]) <= fitted
+    again = planner.update(61.0, demand, reps, registered=names)
+    assert again.version == plan.version, "steady demand moves nothing"
