@@ -198,7 +198,8 @@ class AdapterDirectoryActor:
         reply: dict = {"resync": not ok}
         plan = self.directory.plan
         if heartbeat.get("plan_version", plan.version) != plan.version:  # the worker prefetches new placements
-            reply["plan"] = {"version": plan.version, "planned": planned_on(plan, replica_id)}
+            reply["plan"] = {"version": plan.version, "planned": planned_on(plan, replica_id),
+                             "kept": list(plan.slotted.get(replica_id, ()))}
         return reply
 
     async def get_changes(self, since_version: int = -1, timeout_s: float = 0.0, plan_version: int = -1) -> dict:

@@ -332,12 +332,14 @@ class LoRAWorker:
                 "plan_version": self._plan_version}
 
     def _plan_changed(self, plan: dict) -> None:
-        """The plan moved: the pool evicts its adapters here last, and what it newly places here is read
-        ahead (``routing.prefetch``), one at a time, in the background; generation never waits on it."""
+        """The plan moved: the pool evicts last the adapters it gives a slot here (``kept``: the others
+        planned here load on demand into the rest), and what it newly places here is read ahead
+        (``routing.prefetch``), one at a time, in the background; generation never waits on it."""
         planned = [name for name in plan["planned"] if name in self.registry.entries]
+        kept = [name for name in plan.get("kept", plan["planned"]) if name in self.registry.entries]
         self._plan_version = plan["version"]
         follow = self.args.replicas_follow_plan
-        self.engine.keep_adapters([self.registry.entries[n].uid for n in planned] if follow else ())
+        self.engine.keep_adapters([self.registry.entries[n].uid for n in kept] if follow else ())
         if follow and self.warm_start:
             uid = lambda name: self.registry.entries[name].uid  # noqa: E731
             todo = prefetches(planned, self._planned,

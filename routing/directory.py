@@ -134,6 +134,7 @@ class AdapterDirectory:
         self._log: deque[tuple[int, str]] = deque(maxlen=max_log)
         self._clock = clock
         self.demand = DemandRates(settings.demand_tau_s, clock)  # adapter name -> request-seconds per second
+        self.popularity = DemandRates(settings.popularity_tau_s, clock)  # the same over a longer window
         self.planner = FleetPlanner(settings)
         self.plan_moves: Counter = Counter()  # adapter name -> holders the plan added to it since it was placed
         self.plan_moves_total = 0
@@ -188,6 +189,7 @@ class AdapterDirectory:
         state.last_report = self._clock()
         for name, seconds in (busy_s or {}).items():
             self.demand.add(name, seconds)
+            self.popularity.add(name, seconds)
         if state.set_extras(**{k: v for k, v in extras.items() if k in _EXTRAS}):
             self._bump(replica_id)
         return not state.needs_resync
@@ -196,10 +198,11 @@ class AdapterDirectory:
         """Re-plan from the current demand and replica states (a new version only when it changed);
         ``registered``: the adapters that exist (planned before their first request)."""
         self.demand.prune()
+        self.popularity.prune()
         demand = {name: self.demand.get(name) for name in self.demand.names()}
         before = self.planner.plan
         plan = self.planner.update(self._clock(), demand, [s.slots_for_plan() for s in self.replicas.values()],
-                                   registered)
+                                   registered, popularity=self._popularity())
         if plan.version != before.version:
             for name, added in holder_moves(before, plan).items():
                 self.plan_moves[name] += added
@@ -207,6 +210,9 @@ class AdapterDirectory:
             for name in [n for n in self.plan_moves if n not in plan.holders]:
                 del self.plan_moves[name]  # per-adapter counts only for what the plan holds (bounded)
         return plan
+
+    def _popularity(self) -> dict[str, float]:
+        return {name: self.popularity.get(name) for name in self.popularity.names()}
 
     @property
     def plan(self) -> PlacementPlan:
@@ -219,7 +225,8 @@ class AdapterDirectory:
         replicas = [s.slots_for_plan() for r, s in self.replicas.items() if r != replica_id]
         replicas.append(ReplicaSlots(replica_id, slots, rows))
         demand = {name: self.demand.get(name) for name in self.demand.names()}
-        plan = trial.update(self._clock(), demand, replicas, rebalance_now=True)  # all it will be given
+        plan = trial.update(self._clock(), demand, replicas, rebalance_now=True,  # all it will be given
+                            popularity=self._popularity())
         mine = [name for name, holders in plan.holders.items() if replica_id in holders]
         return sorted(mine, key=lambda name: (-demand.get(name, 0.0), name))
 

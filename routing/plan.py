@@ -64,15 +64,18 @@ class PlacementPlan:
     version: int = 0
     holders: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # adapter -> planned replica ids
     busy: frozenset = frozenset()  # replicas whose planned adapters keep them busy: no spill goes there
+    # replica id -> the planned adapters that have a slot of its budget (the rest load on demand there): what
+    # its pool keeps, so the spare slots churn among the on-demand ones instead of evicting the neediest
+    slotted: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return {"version": self.version, "holders": {a: list(r) for a, r in self.holders.items()},
-                "busy": sorted(self.busy)}
+                "busy": sorted(self.busy), "slotted": {r: list(a) for r, a in self.slotted.items()}}
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "PlacementPlan":
         return cls(int(d.get("version", 0)), {a: tuple(r) for a, r in (d.get("holders") or {}).items()},
-                   frozenset(d.get("busy") or ()))
+                   frozenset(d.get("busy") or ()), {r: tuple(a) for r, a in (d.get("slotted") or {}).items()})
 
 
 class FleetPlanner:
@@ -89,7 +92,8 @@ class FleetPlanner:
         self._replica_ids: set[str] = set()
 
     def update(self, now: float, demand: Mapping[str, float], replicas: Sequence[ReplicaSlots],
-               registered: Iterable[str] = (), rebalance_now: bool = False) -> PlacementPlan:
+               registered: Iterable[str] = (), rebalance_now: bool = False,
+               popularity: Optional[Mapping[str, float]] = None) -> PlacementPlan:
         """A new plan (a new version only when some adapter's holders changed).
 
         ``demand``: adapter -> requests in service on average across the fleet. ``registered``:
@@ -97,7 +101,9 @@ class FleetPlanner:
         the plan keeps, so the first request already finds its place (no placement to correct later).
         ``rebalance_now``: overloaded replicas hand placements over at once, resident or not, as
         they will after ``overload_after_s`` (a joining replica's warm start asks what it will be
-        given, to warm it before traffic)."""
+        given, to warm it before traffic). ``popularity``: the same demand averaged over a longer window
+        (``popularity_tau_s``): which adapters deserve the slots is ranked by it, since a tail adapter's
+        short-term demand is mostly noise (one request makes it look needy for a few seconds)."""
         replicas = sorted(replicas, key=lambda r: r.replica_id)
         if not replicas:
             return self.plan
@@ -118,10 +124,12 @@ class FleetPlanner:
         # before it; at start-up every placement): moving those in use at once tripled p99 TTFT after
         # a scale-out in cluster_sim, so they move as overload shedding decides (overload_after_s)
         in_use = {a for a, d in demand.items() if d > 0} if joined and not rebalance_now else None
-        holders, load = self._assign(now, counts, need, replicas, pinned_on, rebalance_now or joined, in_use)
+        worth = need if popularity is None else {a: d / mean_rows for a, d in popularity.items()}
+        holders, load, slotted = self._assign(now, counts, need, replicas, pinned_on, rebalance_now or joined, in_use,
+                                              worth)
         busy = self._busy(replicas, load)
-        if holders != dict(self.plan.holders) or busy != self.plan.busy:
-            self.plan = PlacementPlan(self.plan.version + 1, holders, busy)
+        if holders != dict(self.plan.holders) or busy != self.plan.busy or slotted != dict(self.plan.slotted):
+            self.plan = PlacementPlan(self.plan.version + 1, holders, busy, slotted)
         return self.plan
 
     def _busy(self, replicas: Sequence[ReplicaSlots], load: Sequence[float]) -> frozenset:
@@ -165,8 +173,9 @@ class FleetPlanner:
 
     def _assign(self, now: float, counts: Mapping[str, int], need: Mapping[str, float],
                 replicas: Sequence[ReplicaSlots], pinned_on: Mapping[str, list[int]],
-                rebalance_now: bool = False, keep: Optional[set] = None
-                ) -> tuple[dict[str, tuple[str, ...]], list[float]]:
+                rebalance_now: bool = False, keep: Optional[set] = None,
+                worth: Optional[Mapping[str, float]] = None
+                ) -> tuple[dict[str, tuple[str, ...]], list[float], dict[str, tuple[str, ...]]]:
         cfg = self.config
         n = len(replicas)
         index = {r.replica_id: i for i, r in enumerate(replicas)}
@@ -198,6 +207,10 @@ class FleetPlanner:
         order = sorted((a for a in counts if a not in pinned_on or counts[a] > len(pinned_on[a])),
                        key=lambda a: (-need.get(a, 0.0), a))
         share = {a: need.get(a, 0.0) / counts[a] for a in order}
+        worth = worth if worth is not None else need
+        # what a placement's slot is worth when slots are short: its long-window need per copy, never below
+        # forget_below (a registered adapter nobody asked for yet is worth the least the plan keeps)
+        value = {a: max(worth.get(a, 0.0), cfg.forget_below) / counts[a] for a in order}
 
         slotted: list[dict[str, float]] = [{} for _ in range(n)]  # replica -> budgeted placements and their shares
 
@@ -207,7 +220,7 @@ class FleetPlanner:
             heapq.heappush(anywhere, (load[i], i))
             if budgeted:
                 budget[i] -= 1
-                slotted[i][name] = share[name]
+                slotted[i][name] = value[name]
                 heapq.heappush(heap, (load[i], i))
 
         def displace(name: str, picked: list, cost) -> Optional[int]:
@@ -221,7 +234,7 @@ class FleetPlanner:
                 if i in picked or not slotted[i]:
                     continue
                 victim = min(slotted[i], key=lambda a: (slotted[i][a], a))
-                if slotted[i][victim] * cfg.displace_ratio >= share[name]:
+                if slotted[i][victim] * cfg.displace_ratio >= value[name]:
                     continue
                 key = cost(i)
                 if best_key is None or key < best_key:
@@ -265,7 +278,10 @@ class FleetPlanner:
                 self._over_since.pop(r.replica_id, None)
         holders = {name: tuple(sorted(replicas[i].replica_id for i in picked))
                    for name, picked in sorted(chosen.items()) if picked}
-        return holders, load
+        for name, on in pinned_on.items():  # a pin holds its slot
+            for i in on:
+                slotted[i][name] = float("inf")
+        return holders, load, {replicas[i].replica_id: tuple(sorted(s)) for i, s in enumerate(slotted) if s}
 
 
 def _move_cost(name: str, i: int, previous: set, replicas: Sequence[ReplicaSlots], margin: float) -> float:

@@ -118,6 +118,10 @@ class RoutingSettings:
     target_utilization: float = _setting(0.75, "share", PLAN,
                                          "share of a planned holder's rows an adapter is meant to use; holders = "
                                          "ceil(need / this)", maximum=1.0, above=True)
+    popularity_tau_s: float = _setting(120.0, "s", PLAN,
+                                       "which adapters deserve slots when they are short is ranked by demand "
+                                       "averaged over this (a tail adapter's short-term demand is mostly noise)",
+                                       above=True)
     grow_after_s: float = _setting(5.0, "s", PLAN, "an extra holder must be wanted this long before it is added")
     shrink_after_s: float = _setting(30.0, "s", PLAN, "a holder no longer needed goes after this")
     forget_below: float = _setting(0.0005, "replicas", PLAN,

@@ -141,7 +141,8 @@ class Simulator:
             self._plan_followed = plan.version  # the live worker hears it in its next report's reply
             for i in self.routable:
                 replica = self.replicas[i]
-                replica.follow_plan([name for name, holders in plan.holders.items() if replica.rid in holders])
+                replica.follow_plan([name for name, holders in plan.holders.items() if replica.rid in holders],
+                                    list(plan.slotted.get(replica.rid, ())))
 
     def _push_model_ids(self, taken: Optional[list] = None) -> None:
         """Serve's two 100 ms loops (``lag_s``): each replica pushes its model ids to the controller

@@ -154,11 +154,12 @@ class SimReplica:
             self.reading[uid] = [req]
             self._read(uid, req)
 
-    def follow_plan(self, planned: list[str]) -> None:
-        """As a live worker with ``replicas_follow_plan``: the pool evicts the plan's adapters last, and
-        what the plan newly puts here is read into the host tier ahead of traffic (off the step). The
-        live worker also loads it into a free slot; at a full pool, the usual case, it does not."""
-        self.pool.keep(planned)
+    def follow_plan(self, planned: list[str], kept: Optional[list[str]] = None) -> None:
+        """As a live worker with ``replicas_follow_plan``: the pool evicts last the adapters the plan gives a
+        slot here (``kept``; None: all planned), and what the plan newly puts here is read into the host tier
+        ahead of traffic (off the step). The live worker also loads it into a free slot; at a full pool, the
+        usual case, it does not."""
+        self.pool.keep(planned if kept is None else kept)
         for uid in planned:
             if uid not in self.planned and uid not in self.reading and not self.pool.is_resident(uid) \
                     and not self.host.has(uid):
