@@ -14,8 +14,11 @@ directory (one writer, read by every router) keeps a plan, and routers route wit
   neediest first, each on the least loaded replicas with a slot left in their budget, where
   a replica that is already a planned holder costs nothing extra, one that has the adapter
   resident or in its host tier a little, and any other ``move_margin`` replicas of load.
-  Planned holders keep their slots first (a newcomer never takes a placement's budget), and a
-  holder stays planned while the count holds unless its replica has been overloaded (more than
+  Planned holders that had a slot keep it first (a newcomer never takes a placement's budget,
+  and no placement is put where it would overload the replica), and a
+  holder stays planned while the count holds unless its replica has been overloaded (by the
+  long-window demand, ``popularity_tau_s``, which also places and balances: the short window's
+  noise made replicas look overloaded by turns and moved about one placement a second; more than
   ``overload_share`` above the fleet's mean load and ``overload_floor`` replicas of load) for
   ``overload_after_s``: a demand blip moves nothing, since each move is a load and an eviction
   somewhere, but a replica that joins (or a lasting imbalance) takes placements from the most
@@ -23,7 +26,8 @@ directory (one writer, read by every router) keeps a plan, and routers route wit
   ``overload_after_s`` for those in use. A joining replica warms what it will be given. When
   no budget is left, a placement that needs ``displace_ratio`` times more than a replica's least
   needed budgeted one takes that slot's budget (the other stays planned there, loaded on demand):
-  slots planned before demand was measured do not keep their budget for good. Budget per replica: its slots, minus one
+  slots planned before demand was measured do not keep their budget for good. Which adapters
+  deserve slots is ranked by the long-window demand too. Budget per replica: its slots, minus one
   when the planned copies do not all fit (that slot serves what the plan could not place:
   without it every such request would evict a planned adapter, which then reloads). An
   adapter that finds no budget is still planned, on the least loaded replica (it will load
@@ -183,31 +187,37 @@ class FleetPlanner:
         wanted_copies = sum(counts.values())
         spare = 1 if wanted_copies > sum(r.slots for r in replicas) else 0
         budget = [max(0, r.slots - spare) for r in replicas]
-        load = [0.0] * n
+        worth = worth if worth is not None else need
+        load = [0.0] * n    # planned need (short window): where a new placement goes
+        steady = [0.0] * n  # planned long-window need: whether a replica is overloaded (noise moves nothing)
         chosen: dict[str, list[int]] = {}
         for name in sorted(pinned_on):  # pins hold their slots wherever they are pinned
-            share = need.get(name, 0.0) / max(1, counts.get(name, 1))
+            copies = max(1, counts.get(name, 1))
             for i in pinned_on[name]:
                 budget[i] -= 1
-                load[i] += share
+                load[i] += need.get(name, 0.0) / copies
+                steady[i] += worth.get(name, 0.0) / copies
             chosen[name] = list(pinned_on[name])
         known: dict[str, set[int]] = {}  # adapter -> replicas where it is resident or in the host tier
         for i, r in enumerate(replicas):
             for name in (*r.resident, *r.warm):
                 known.setdefault(name, set()).add(i)
-        heap = [(load[i], i) for i in range(n) if budget[i] > 0]  # least loaded with budget (lazily updated)
-        anywhere = [(load[i], i) for i in range(n)]  # least loaded, budget or not
+        # least loaded (long-window need: the one load the plan balances and sheds by), with budget and anywhere
+        heap = [(steady[i], i) for i in range(n) if budget[i] > 0]  # lazily updated
+        anywhere = [(steady[i], i) for i in range(n)]
         heapq.heapify(heap)
         heapq.heapify(anywhere)
         no_limit = [1] * n
-        mean = sum(need.get(a, 0.0) for a in counts) / n
+        # overloaded: well above the mean of the long-window need (the short window's noise made replicas look
+        # overloaded by turns: offline, Zipf demand over 16 replicas moved ~4 placements a second)
+        mean = sum(worth.get(a, 0.0) for a in counts) / n
         overloaded = mean + max(cfg.overload_share * mean, cfg.overload_floor)
         shedding = {i for i, r in enumerate(replicas)
                     if rebalance_now or now - self._over_since.get(r.replica_id, now) >= cfg.overload_after_s}
         order = sorted((a for a in counts if a not in pinned_on or counts[a] > len(pinned_on[a])),
                        key=lambda a: (-need.get(a, 0.0), a))
         share = {a: need.get(a, 0.0) / counts[a] for a in order}
-        worth = worth if worth is not None else need
+        steady_share = {a: worth.get(a, 0.0) / counts[a] for a in order}
         # what a placement's slot is worth when slots are short: its long-window need per copy, never below
         # forget_below (a registered adapter nobody asked for yet is worth the least the plan keeps)
         value = {a: max(worth.get(a, 0.0), cfg.forget_below) / counts[a] for a in order}
@@ -217,11 +227,12 @@ class FleetPlanner:
         def take(name: str, i: int, budgeted: bool = True) -> None:
             chosen.setdefault(name, []).append(i)
             load[i] += share[name]
-            heapq.heappush(anywhere, (load[i], i))
+            steady[i] += steady_share[name]
+            heapq.heappush(anywhere, (steady[i], i))
             if budgeted:
                 budget[i] -= 1
                 slotted[i][name] = value[name]
-                heapq.heappush(heap, (load[i], i))
+                heapq.heappush(heap, (steady[i], i))
 
         def displace(name: str, picked: list, cost) -> Optional[int]:
             """No budget left: the replica whose least needed budgeted placement ``name`` needs
@@ -231,8 +242,8 @@ class FleetPlanner:
             gets a second holder."""
             best, best_key = None, None
             for i in range(n):
-                if i in picked or not slotted[i]:
-                    continue
+                if i in picked or not slotted[i] or steady[i] + steady_share[name] > overloaded:
+                    continue  # (never onto a replica it would overload: it would shed it again, a move each way)
                 victim = min(slotted[i], key=lambda a: (slotted[i][a], a))
                 if slotted[i][victim] * cfg.displace_ratio >= value[name]:
                     continue
@@ -245,34 +256,39 @@ class FleetPlanner:
                 budget[best] += 1
             return best
 
-        # first every planned holder keeps its slot (so no placement loses its budget to a newcomer),
-        # except on a replica that has been overloaded for overload_after_s (or just joined by
-        # another): it keeps what fits, and what ``keep`` names
-        for name in order:
+        # first every planned holder that had a slot keeps it, the most valuable first (so no placement loses its
+        # budget to a newcomer, only to one displace_ratio times more valuable), except on a replica that has been
+        # overloaded for overload_after_s (or just joined by another): it keeps what fits, and what ``keep`` names.
+        # A holder that loaded on demand stays where it is (below) unless a slot is free or it displaces one.
+        had_slot = {(a, index[r]) for r, names in self.plan.slotted.items() if r in index for a in names}
+        for name in sorted(order, key=lambda a: (-value[a], a)):
             picked = chosen.setdefault(name, [])
             for i in sorted(previous.get(name, ()), key=lambda i: replicas[i].replica_id):
+                if (name, i) not in had_slot and self.plan.slotted:
+                    continue
                 if len(picked) < counts[name] and budget[i] > 0 and i not in picked and (
-                        i not in shedding or load[i] + share[name] <= overloaded
+                        i not in shedding or steady[i] + steady_share[name] <= overloaded
                         or (keep is not None and name in keep)):
                     take(name, i)
         # then the holders still missing, the cheapest first
         for name in order:
             k, picked, prev = counts[name], chosen[name], previous.get(name, set())
-            cost = lambda i: (load[i] + _move_cost(name, i, prev, replicas, cfg.move_margin),  # noqa: E731
+            cost = lambda i: (steady[i] + _move_cost(name, i, prev, replicas, cfg.move_margin),  # noqa: E731
                               replicas[i].replica_id)
             while len(picked) < k:
                 cands = {i for i in known.get(name, set()) if budget[i] > 0}
-                cands.update(_least_loaded(heap, load, budget, k + 2))
+                cands.update(_least_loaded(heap, steady, budget, k + 2))
                 cands.difference_update(picked)
+                cands = {i for i in cands if steady[i] + steady_share[name] <= overloaded}
                 target = min(cands, key=cost) if cands else displace(name, picked, cost)
                 if target is None:
                     break
                 take(name, target)
             if not picked:  # no budget anywhere: loaded on demand where it was planned, else the least loaded
                 kept = [i for i in prev if i not in shedding]
-                take(name, min(kept or _least_loaded(anywhere, load, no_limit, 2), key=cost), budgeted=False)
+                take(name, min(kept or _least_loaded(anywhere, steady, no_limit, 2), key=cost), budgeted=False)
         for i, r in enumerate(replicas):
-            if load[i] > overloaded:
+            if steady[i] > overloaded:
                 self._over_since.setdefault(r.replica_id, now)
             else:
                 self._over_since.pop(r.replica_id, None)
