@@ -126,7 +126,7 @@ def choose_replicas(adapter: Optional[str], view: FleetView, loads: Sequence[flo
                     active: Optional[Sequence[Mapping[Optional[str], int]]] = None,
                     demand: Optional[Mapping[str, float]] = None,
                     last_used: Optional[Sequence[Mapping[str, float]]] = None,
-                    batch_slowdown: Optional[float] = None, waited_s: float = 0.0,
+                    batch_slowdown: Optional[float] = None, waited_s: float = 0.0, first_in_line: bool = False,
                     waiting: Optional[Mapping[Optional[str], int]] = None,
                     full_at: Optional[Sequence[float]] = None, now: float = 0.0) -> RoutingDecision:
     """Route within the adapter's planned set, by expected completion time; see the module docstring.
@@ -138,7 +138,9 @@ def choose_replicas(adapter: Optional[str], view: FleetView, loads: Sequence[flo
     ``last_used``: when each adapter was last sent to each replica (the victim a load evicts is
     the least recently used, as the pools evict). ``batch_slowdown``: measured (see
     ``LocalRouterState.batch_slowdown``); None: the config's. ``waited_s``: how long the request
-    has waited in the router already. ``waiting``: this router's other waiting requests per
+    has waited in the router already. ``first_in_line``: no request waiting in this router is older: it takes
+    a planned row even where it must wait for a slot (the engine's bounded bypass then gets it one), so no
+    request is passed over by younger ones whose adapters happen to fit the running batch. ``waiting``: this router's other waiting requests per
     adapter (the rows a replica's own planned adapters will take first). ``full_at``: when this
     router last saw each replica full (``now``: the same clock); a replica full within
     ``idle_rows`` rows' waits is busy, whatever its queue says this instant, and takes no spill.
@@ -159,7 +161,8 @@ def choose_replicas(adapter: Optional[str], view: FleetView, loads: Sequence[flo
     ranked = ctx.rank(planned)
     best = ranked[0]
     t_best = ctx.request_time(best)
-    patient = waited_s > config.slot_wait_patience * t_best  # waited long enough: may queue in the engine
+    # waited long enough, or the oldest waiting: may queue in the engine for a slot
+    patient = first_in_line or waited_s > config.slot_wait_patience * t_best
     for i in ranked:  # work-conserving within the plan
         if ctx.has_row(i) and (patient or i not in ctx.blocked):
             return RoutingDecision([[i]], _kind(adapter, ctx.holders, planned, i), best=best, ect=ctx.ect)

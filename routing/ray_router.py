@@ -37,6 +37,7 @@ chosen for it.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import logging
 import threading
 import time
@@ -127,6 +128,7 @@ class AdapterAffinityRouter(RequestRouter):
         self._caps: list[float] = []
         self._waiters = OldestFirstWaiters()
         self._waiting: Counter = Counter()  # adapter -> this router's requests waiting for a planned row
+        self._line: list[tuple[float, str]] = []  # (first asked, request id) of the requests waiting, oldest first
         self._kinds: dict[str, str] = {}  # request id -> decision kind, counted when routed
         self._first_seen: dict[str, float] = {}  # request id -> when it first asked for a replica
         self._last_call: tuple[Optional[str], float] = (None, 0.0)
@@ -186,12 +188,14 @@ class AdapterAffinityRouter(RequestRouter):
         counted = False  # this request is in ``_waiting`` (the rows its planned replicas owe it)
         try:
             while True:
-                decision = self._decide(adapter, time.monotonic() - first_seen)
+                oldest = counted and self._line[0][1] == request_id
+                decision = self._decide(adapter, time.monotonic() - first_seen, oldest)
                 if not decision.wait or time.monotonic() >= deadline:
                     break
                 if not counted:
                     counted = True
                     self._waiting[adapter] += 1
+                    bisect.insort(self._line, (first_seen, request_id or ""))
                 self.decisions["wait"] += 1
                 self.metrics.decision("wait")
                 others = self._others_fill(decision.best)
@@ -207,6 +211,7 @@ class AdapterAffinityRouter(RequestRouter):
                     break
         finally:
             if counted:
+                self._line.remove((first_seen, request_id or ""))
                 self._waiting[adapter] -= 1
                 if self._waiting[adapter] <= 0:
                     del self._waiting[adapter]
@@ -229,7 +234,7 @@ class AdapterAffinityRouter(RequestRouter):
         self._ids = tuple(sorted(self._by_id))
         self._caps = [float(self._by_id[r].max_ongoing_requests) for r in self._ids]
 
-    def _decide(self, adapter: Optional[str], waited_s: float = 0.0):
+    def _decide(self, adapter: Optional[str], waited_s: float = 0.0, first_in_line: bool = False):
         ids, cache, local = self._ids, self.replica_queue_len_cache, self.local
         loads = []
         for rid, cap in zip(ids, self._caps):
@@ -243,7 +248,7 @@ class AdapterAffinityRouter(RequestRouter):
                                caps=self._caps, request_s=local.request_s_by_index(ids),
                                active=local.active_by_index(ids), demand=local.demand,
                                last_used=local.last_used_by_index(ids), batch_slowdown=local.batch_slowdown(),
-                               waited_s=waited_s, waiting=self._waiting, full_at=local.full_at_by_index(ids),
+                               waited_s=waited_s, first_in_line=first_in_line, waiting=self._waiting, full_at=local.full_at_by_index(ids),
                                now=time.monotonic())
 
     async def _wait_for_capacity(self, since: float, timeout: Optional[float] = None) -> bool:

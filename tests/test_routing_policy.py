@@ -163,6 +163,9 @@ def test_a_request_that_could_not_join_any_batch_waits_instead_of_holding_a_row(
     assert patient.wait
     starving = choose_replicas("a", v, [3, 2], caps=[8, 8], active=busy, request_s=[0.4, 0.4], waited_s=0.9)
     assert starving.tiers == [[0]]  # past 2 request times: the holder's engine queues it for a slot
+    oldest = choose_replicas("a", v, [3, 2], caps=[8, 8], active=busy, request_s=[0.4, 0.4], waited_s=0.1,
+                             first_in_line=True)
+    assert oldest.tiers == [[0]]  # the oldest waiting request is never passed over by younger ones that fit
     freed = [{"b": 2, "c": 1}, {"d": 1}]  # replica 1's "e" finished: a slot the request can take
     assert choose_replicas("a", v, [3, 1], caps=[8, 8], active=freed, request_s=[0.4, 0.4]).tiers == [[1]]
 

@@ -132,6 +132,7 @@ class AffinityRouter(_ViewRouter):
                                    active=local.active_by_index(ids), demand=local.demand,
                                    last_used=local.last_used_by_index(ids),
                                    batch_slowdown=local.batch_slowdown(), waited_s=now - req.arrival,
+                                   first_in_line=req.i in self._counted and req.i == min(self._counted),
                                    waiting=self.waiting, full_at=local.full_at_by_index(ids), now=now)
         if not decision.tiers:
             self._count("wait")
