@@ -10,8 +10,7 @@ the lowest expected completion time (ECT, seconds; the request's own run time le
                                             replica's measured request time)
                   + q_i * batch_slowdown * T_i   what sharing a batch with q_i others costs
   + slot wait       T_i * slot_wait_fraction when ``a`` cannot join the running batch now
-  + load            0 if ``a`` is resident; the measured host-tier copy if it is in the host
-                    tier; else the disk read and then the copy
+  + load            0 if ``a`` is resident; the measured host-tier copy or disk read else
   + eviction        the victim's chance of being asked for again within ``demand_horizon``
                                             request times, times its reload
 
@@ -21,8 +20,7 @@ the set: the best planned replica that can start the request now takes it.
 
 Leaving the plan (a spill) happens only when every planned replica is full and the wait for a
 planned row exceeds the whole cost of a load elsewhere by ``spill_margin`` rows' waits (T / cap):
-the load's own time, the running batch it stalls there (the copy into the slot x requests running;
-a disk read runs off the engine thread and stalls nobody else), and
+the load's own time, the running batch it stalls there (load time x requests running), and
 the victim's reloads (which stall that batch again and evict in turn). A spill target must
 have a row that its own planned adapters' waiting requests will not take, so at saturation
 nothing spills. Spills are served requests like any other: the demand they add is what makes
@@ -211,12 +209,9 @@ class _Scoring:
         if adapter is None or i in self.holders:
             self.cost_class[i] = 0
         else:
-            copy_s = _load_s(view, i, True, cfg)
-            load_s = copy_s if i in self.warm else _load_s(view, i, False, cfg) + copy_s  # a cold one is read first
+            load_s = _load_s(view, i, i in self.warm, cfg)
             e += load_s
-            # the running batch waits only while the slot fills (a step-boundary copy); the disk read happens
-            # off the engine thread, so only this request waits for it
-            load_cost = load_s + copy_s * q
+            load_cost = load_s * (1 + q)  # the running batch waits while the slot fills
             if view.free[i] > 0:
                 self.cost_class[i] = 1
             else:
