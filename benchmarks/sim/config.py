@@ -32,6 +32,7 @@ class SimConfig:
     costs: CostModel = field(default_factory=CostModel)
     prior_load_s: Optional[tuple[float, float]] = None  # affinity's (host, disk) load priors; None: from costs
     prior_request_s: Optional[float] = None             # affinity's request-time prior; None: from costs
+    adapter_names: Optional[str] = None  # format of adapter i's name, e.g. "demo-{}"; None: traces.adapter_uid
 
 
 class SimRequest:

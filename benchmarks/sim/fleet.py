@@ -85,7 +85,9 @@ class Simulator:
         self.max_ongoing = config.max_batch
         self.ongoing = np.zeros(config.replicas, dtype=np.float64)
         self.router = ROUTERS[config.router](self)
-        self.ranks = {adapter_uid(a): int(r) for a, r in enumerate(trace.ranks.tolist())}
+        # adapter i's name: the plan breaks ties by name, so a replay of a live run names them as it did
+        self.uid_of: Callable[[int], str] = adapter_uid if config.adapter_names is None else config.adapter_names.format
+        self.ranks = {self.uid_of(a): int(r) for a, r in enumerate(trace.ranks.tolist())}
         self._configs: dict[int, AdapterConfig] = {}
         self.feed: Optional[DirectoryFeed] = None
         self._plan_followed = -1  # the plan version the replicas last followed
@@ -93,7 +95,7 @@ class Simulator:
         self._listener = None
         if self.router.uses_view:
             self.feed = DirectoryFeed(lambda: self.now, config.lag_s, config.max_batch,
-                                      registered=[adapter_uid(a) for a in range(trace.num_adapters)])
+                                      registered=[self.uid_of(a) for a in range(trace.num_adapters)])
             self.directory = self.feed.directory
             self._listener = self.feed.on_pool_event
         self.replicas = [self._replica(i, rid) for i, rid in enumerate(self.ids)]
@@ -258,7 +260,7 @@ class Simulator:
         arrivals = [t0 + a for a in trace.arrivals.tolist()]
         ins, outs = trace.input_lens.tolist(), trace.output_lens.tolist()
         reqs = [SimRequest(base + k, uid, arrivals[k], ins[k], outs[k], self.ranks[uid])
-                for k, uid in enumerate(adapter_uid(a) for a in adapters)]
+                for k, uid in enumerate(self.uid_of(a) for a in adapters)]
         self.requests += reqs
         if not self._started:
             self._started = True

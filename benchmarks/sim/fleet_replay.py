@@ -44,6 +44,7 @@ __all__ = ["agreement_with_live", "live_starts", "replay_fleet_live", "replay_va
 VARIANT_ROUTER = {"affinity": "affinity", "multiplexed": "multiplex", "pow2": "pow2", "hash": "hash"}
 LIVE_LAG_S = {"affinity": 0.02, "multiplexed": 0.1}  # pool change -> the router's view (see the docstring)
 WARM_STARTED = ("affinity",)  # deployed fresh: its workers' warm start runs; the others start empty
+ADAPTER_NAMES = "demo-{}"  # fleet_live.adapter_name: the plan orders equal needs by name, so the names must match
 SEGMENT_GAP_S = 0.5  # benchmarks.fleet_live.Fleet.replay: the client starts sending 0.5 s after the call
 
 
@@ -84,7 +85,8 @@ def _row(variant: str, seg: Segment, reqs: list[SimRequest], t0: float) -> dict:
             "disk_reads": sum(1 for r in reqs if r.disk),
             "ttft_p50_ms": 1000 * _q(ttft, 50), "ttft_p99_ms": 1000 * _q(ttft, 99),
             "e2e_p50_ms": 1000 * _q(e2e, 50), "e2e_p99_ms": 1000 * _q(e2e, 99),
-            "start_s": round(t0, 3), "end_s": round(max(r.t_done for r in reqs), 3)}
+            "start_s": round(t0, 3), "end_s": round(max(r.t_done for r in reqs), 3),
+            "ttft_s": [round(x, 4) for x in ttft]}
 
 
 def replay_variant(settings: Mapping, variant: str, starts: Optional[Mapping[str, float]] = None) -> list[dict]:
@@ -98,7 +100,7 @@ def replay_variant(settings: Mapping, variant: str, starts: Optional[Mapping[str
     first = replace(traces[0], ranks=np.array([ranks[adapter_name(i)] for i in range(args.adapters)]))
     config = SimConfig(replicas=args.replicas, router=VARIANT_ROUTER[variant], slots=args.slots,
                        max_batch=args.rows, lag_s=LIVE_LAG_S.get(variant, 0.1), seed=int(args.seed), costs=costs,
-                       warmup_fraction=0.0)
+                       warmup_fraction=0.0, adapter_names=ADAPTER_NAMES)
     sim = Simulator(first, config)
     if variant in WARM_STARTED:
         warm_start_at_deploy(sim)
