@@ -181,14 +181,28 @@ def test_cluster_sim_takes_a_fleet_live_json(tmp_path, capsys):
     assert goal["pass"] is False and goal["measured"] == 0.5  # the loads pair flipped; the p99 pair did not
 
 
-def test_a_fresh_affinity_deployment_warm_starts_the_plan_and_a_viewless_one_does_not():
+def test_a_fresh_affinity_deployment_comes_up_one_replica_at_a_time_and_a_viewless_one_stays_cold():
+    """As live (``scale_events.warm_start_at_deploy``): the first replica finds no plan and warms nothing, then
+    reads ahead what the next plan tick gives it (free slots first); each later one warms its trial plan;
+    at the end every replica has noted the final plan's placements on it."""
     from benchmarks.sim.scale_events import warm_start_at_deploy
+    from routing.plan import planned_on
 
     trace = hand_trace([(0.0, a, 10, 1) for a in range(40)], ranks=[8] * 40)
     sim = Simulator(trace, SimConfig(replicas=4, router="affinity", slots=4, warmup_fraction=0.0))
     plans = warm_start_at_deploy(sim)
-    assert len(plans) == 4 and all(0 < len(p.slots) <= 3 for p in plans)
-    for plan, replica in zip(plans, sim.replicas):
-        assert set(replica.pool.uid_to_slot) == set(plan.slots)
+    assert len(plans) == 4 and plans[0].slots == plans[0].host == ()
+    assert len(sim.replicas[0].pool.uid_to_slot) == 4  # read ahead into its free slots
+    for plan, replica in zip(plans[1:], sim.replicas[1:]):
+        assert 0 < len(plan.slots) <= 3 and set(plan.slots) <= set(replica.pool.uid_to_slot)
         assert set(plan.slots) | set(plan.host) <= set(replica.host.entries)  # read before traffic
+    for replica in sim.replicas:
+        assert replica.planned == set(planned_on(sim.directory.plan, replica.rid))
     assert warm_start_at_deploy(Simulator(trace, SimConfig(replicas=4, router="pow2"))) == []
+
+
+def test_the_replay_names_adapters_as_fleet_live_does():
+    """The plan orders adapters of equal need by name: the replay must use the live run's names."""
+    from benchmarks.sim.fleet_replay import ADAPTER_NAMES
+
+    assert all(ADAPTER_NAMES.format(i) == fleet_live.adapter_name(i) for i in (0, 7, 100, 255))

@@ -3,7 +3,7 @@
 Pool events are buffered with their simulated time; ``sync`` hands the events at least
 ``lag_s`` old to a real ``AdapterDirectory`` and gives the router the directory's
 ``changes_since`` delta (a long poll returns only when there is news). Completed requests'
-busy seconds reach the directory as the workers' heartbeats carry them, and once every
+busy seconds reach the directory as the workers' heartbeats carry them (``busy`` syncs), and once every
 ``heartbeat_interval_s`` each replica's heartbeat extras (``SimReplica.heartbeat``: host-cached
 and loading adapters, measured load seconds, queue length; ``LoRAWorker._state_extras``), by
 which the live router prices a load as a host copy or a disk read; and every
@@ -72,7 +72,10 @@ class DirectoryFeed:
         if replica_id in self.directory.replicas:
             self.directory.heartbeat(replica_id, **extras)
 
-    def sync(self, router) -> None:
+    def sync(self, router, busy: bool = True) -> None:
+        """Events at least ``lag_s`` old to the directory; with ``busy``, also the busy seconds since the
+        last delivery (the live worker sends them in its heartbeat, once a second); a re-plan when due;
+        the router's delta."""
         cutoff = self.clock() - self.lag_s
         pending = self.pending
         batch: dict[str, list] = {}
@@ -82,10 +85,11 @@ class DirectoryFeed:
         d = self.directory
         for rid, events in batch.items():
             d.apply_events(rid, events)
-        busy, self._busy = self._busy, {}
-        for rid, seconds in busy.items():
-            if rid in d.replicas:  # a replica first heard of by heartbeat would need a resync
-                d.heartbeat(rid, busy_s=seconds)
+        if busy:
+            reported, self._busy = self._busy, {}
+            for rid, seconds in reported.items():
+                if rid in d.replicas:  # a replica first heard of by heartbeat would need a resync
+                    d.heartbeat(rid, busy_s=seconds)
         if self.clock() - self._planned_at >= self.plan_interval_s:
             self._planned_at = self.clock()
             d.update_plan(registered=self.registered)

@@ -132,12 +132,14 @@ class Simulator:
 
     def _sync(self) -> None:
         """Deliver events at least ``lag_s`` old to the directory (and, once a second, the routable
-        replicas' heartbeats); the router pulls the delta."""
-        if self.feed.heartbeat_due():
+        replicas' heartbeats with the busy seconds since the last: ``LoRAWorker._heartbeat``); the
+        router pulls the delta."""
+        due = self.feed.heartbeat_due()
+        if due:
             for i in self.routable:
                 replica = self.replicas[i]
                 self.feed.heartbeat(replica.rid, replica.heartbeat())
-        self.feed.sync(self.router)
+        self.feed.sync(self.router, busy=due)
         plan = self.directory.plan
         if self.router.follows_plan and plan.version != self._plan_followed:
             self._plan_followed = plan.version  # the live worker hears it in its next report's reply
@@ -145,6 +147,11 @@ class Simulator:
                 replica = self.replicas[i]
                 replica.follow_plan([name for name, holders in plan.holders.items() if replica.rid in holders],
                                     list(plan.slotted.get(replica.rid, ())))
+
+    def followed_plan(self, version: int) -> None:
+        """The replicas follow plan ``version`` already (a deploy's warm start made them): the next sync
+        hands them only a newer one."""
+        self._plan_followed = version
 
     def _push_model_ids(self, taken: Optional[list] = None) -> None:
         """Serve's two 100 ms loops (``lag_s``): each replica pushes its model ids to the controller

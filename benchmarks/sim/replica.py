@@ -39,6 +39,7 @@ from engine.scheduler import Scheduler
 from pool.memory_pool import LoRAMemoryPool, batch_order
 from pool.shapes import LoRAModelShape
 from routing.load_timings import LoadTimings
+from routing.prefetch import prefetches
 
 from .config import SimConfig, SimRequest
 from .costs import CostModel
@@ -154,18 +155,40 @@ class SimReplica:
             self.reading[uid] = [req]
             self._read(uid, req)
 
-    def follow_plan(self, planned: list[str], kept: Optional[list[str]] = None) -> None:
-        """As a live worker with ``replicas_follow_plan``: the pool evicts last the adapters the plan gives a
-        slot here (``kept``; None: all planned), and what the plan newly puts here is read into the host tier
-        ahead of traffic (off the step). The live worker also loads it into a free slot; at a full pool, the
-        usual case, it does not."""
+    def follow_plan(self, planned: list[str], kept: Optional[list[str]] = None, at_once: bool = False) -> None:
+        """As a live worker with ``replicas_follow_plan`` (``LoRAWorker._plan_changed``): the pool evicts last
+        the adapters the plan gives a slot here (``kept``; None: all planned), and what the plan newly puts
+        here (``routing.prefetch.prefetches``: not planned before, not resident, not staged) is read into the
+        host tier ahead of traffic, off the step.
+
+        ``at_once``: the reads are done before traffic (a deploy: no simulated time passes), and, as live,
+        the first of them go into free slots too (the worker's one-token warm request). During traffic the
+        reads take their time and stay in the host tier: the live worker would also copy one into a free
+        slot, but a pool under traffic has none (the difference is left out)."""
         self.pool.keep(planned if kept is None else kept)
-        for uid in planned:
-            if uid not in self.planned and uid not in self.reading and not self.pool.is_resident(uid) \
-                    and not self.host.has(uid):
-                self.reading[uid] = []
-                self._read(uid, None)
+        todo = prefetches(planned, self.planned, resident={u for u in planned if self.pool.is_resident(u)},
+                          staged={u for u in planned if u in self.host.entries or u in self.reading},
+                          free_slots=self.pool.snapshot().free_slots if at_once else 0)
+        for item in todo:
+            if at_once:
+                self.warm(item.name, into_slot=item.into_slot)
+            elif item.name not in self.reading and item.name not in self.host.entries:
+                self.reading[item.name] = []
+                self._read(item.name, None)
         self.planned = set(planned)
+
+    def warm(self, uid: str, into_slot: bool) -> None:
+        """Before traffic (a warm start or a deploy-time prefetch): read ``uid`` into the host tier and, with
+        ``into_slot``, copy it into a slot, at once; timed as the live worker times them (its load prices)."""
+        rank = self.ranks[uid]
+        if uid not in self.host.entries:
+            self.timings.observe_disk(self.costs.disk_read_s(rank))
+            self.host.put(uid, self.costs.adapter_bytes(rank))
+        if into_slot and not self.pool.is_resident(uid):
+            self.pool.prepare_lora_batch({uid})
+            self.pool.release_batch()
+            self.copies += 1
+            self.copy_s += self.costs.host_copy_s(rank)
 
     def _read(self, uid: str, req: Optional[SimRequest]) -> None:
         """A disk read into the host tier, off the engine thread; its waiters are submitted when it ends."""
