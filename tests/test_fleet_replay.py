@@ -206,3 +206,71 @@ def test_the_replay_names_adapters_as_fleet_live_does():
     from benchmarks.sim.fleet_replay import ADAPTER_NAMES
 
     assert all(ADAPTER_NAMES.format(i) == fleet_live.adapter_name(i) for i in (0, 7, 100, 255))
+
+
+def test_the_replay_polls_and_prices_as_the_live_router_does():
+    """The replayed affinity router's feed pacing and priors are the live router's defaults (fleet_live sets
+    none of them): a changed default there must show up here."""
+    import inspect
+
+    from benchmarks.sim.feed import PollPacing
+    from benchmarks.sim.fleet_replay import LIVE_PRIORS
+    from routing.ray_router import AdapterAffinityRouter
+
+    defaults = {k: p.default for k, p in inspect.signature(AdapterAffinityRouter.initialize_state).parameters.items()}
+    pacing = PollPacing()
+    assert (pacing.requests_per_poll, pacing.min_interval_s, pacing.timeout_s) == (
+        defaults["requests_per_poll"], defaults["min_poll_interval_s"], defaults["poll_timeout_s"])
+    assert (LIVE_PRIORS.host_load_s, LIVE_PRIORS.disk_load_s, LIVE_PRIORS.default_request_s) == (
+        defaults["host_load_s"], defaults["disk_load_s"], defaults["default_request_s"])
+
+
+def test_a_paced_feed_reaches_the_router_once_per_poll_of_requests():
+    """With ``PollPacing`` the router hears the directory only when a poll is out: after 16 routed requests
+    (or 5 s idle), never twice within 0.2 s; unpaced, at every sync."""
+    from benchmarks.sim.feed import DirectoryFeed, PollPacing
+
+    class Router:
+        replies = 0
+
+        def apply_directory_reply(self, reply):
+            self.replies += 1
+
+    now = [0.0]
+    feed = DirectoryFeed(lambda: now[0], 0.02, 8, registered=["a"], pacing=PollPacing())
+    feed.join("r1", _snapshot("r1"))
+    router = Router()
+    feed.start(router)
+    assert router.replies == 1
+    for step in range(1, 50):  # 1 s of syncs, every one with news (a heartbeat that changes), no traffic
+        now[0] = step * 0.02
+        feed.directory.heartbeat("r1", host_cached=[f"x{step}"])
+        feed.sync(router)
+    assert router.replies == 1  # no poll went out: no traffic and < 5 s
+    feed.routed += 16
+    now[0] += 0.02
+    feed.directory.heartbeat("r1", host_cached=["y"])
+    feed.sync(router)
+    assert router.replies == 2
+    now[0] += 0.02
+    feed.routed += 16
+    feed.directory.heartbeat("r1", host_cached=["z"])
+    feed.sync(router)
+    assert router.replies == 2  # due by traffic, but within 0.2 s of the last poll
+    now[0] += 0.2
+    feed.sync(router)
+    assert router.replies == 3
+    now[0] += 5.0
+    feed.sync(router)  # 5 s idle: a poll goes out, and nothing new: it waits
+    assert router.replies == 3
+    feed.directory.heartbeat("r1", host_cached=["w"])
+    now[0] += 0.02
+    feed.sync(router)
+    assert router.replies == 4
+
+
+def _snapshot(rid: str):
+    from pool.memory_pool import LoRAMemoryPool
+    from pool.shapes import LoRAModelShape
+
+    return LoRAMemoryPool(LoRAModelShape(num_layers=0, modules={}), 2, 8, lambda uid: None, replica_id=rid).snapshot()

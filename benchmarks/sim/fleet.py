@@ -33,7 +33,7 @@ from routing.directory import AdapterDirectory
 
 from ..traces import Trace, adapter_uid
 from .config import SimConfig, SimRequest
-from .feed import DirectoryFeed
+from .feed import DirectoryFeed, PollPacing
 from .replica import HostTier, SimReplica
 from .routers import ROUTERS
 
@@ -75,13 +75,27 @@ class SimResult:
         return d
 
 
+SERVE_ID_ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"  # ray._common.utils.RANDOM_STRING_ALPHABET
+
+
+def replica_ids(n: int, seed: Optional[int] = None) -> tuple[str, ...]:
+    """``n`` replica ids, sorted. ``seed``: random 8-character ids as Serve draws them
+    (``deployment_state``: ``ReplicaID(get_random_string())``), since hashing routers and the plan's ties
+    depend on the ids and a live run's are not recorded; None: ``replica-0000``, ``replica-0001``, ..."""
+    if seed is None:
+        return tuple(f"replica-{i:04d}" for i in range(n))
+    rng = np.random.default_rng(seed)
+    letters = np.array(list(SERVE_ID_ALPHABET))
+    return tuple(sorted("".join(rng.choice(letters, 8)) for _ in range(n)))
+
+
 class Simulator:
     def __init__(self, trace: Trace, config: SimConfig):
         if config.router not in ROUTERS:
             raise ValueError(f"unknown router {config.router!r}; choose one of {sorted(ROUTERS)}")
         self.trace, self.config = trace, config
         self.now = 0.0
-        self.ids = tuple(f"replica-{i:04d}" for i in range(config.replicas))  # sorted, as the Serve router sorts
+        self.ids = replica_ids(config.replicas, config.replica_id_seed)  # sorted, as the Serve router sorts
         self.max_ongoing = config.max_batch
         self.ongoing = np.zeros(config.replicas, dtype=np.float64)
         self.router = ROUTERS[config.router](self)
@@ -95,7 +109,8 @@ class Simulator:
         self._listener = None
         if self.router.uses_view:
             self.feed = DirectoryFeed(lambda: self.now, config.lag_s, config.max_batch,
-                                      registered=[self.uid_of(a) for a in range(trace.num_adapters)])
+                                      registered=[self.uid_of(a) for a in range(trace.num_adapters)],
+                                      pacing=PollPacing() if config.paced_feed else None)
             self.directory = self.feed.directory
             self._listener = self.feed.on_pool_event
         self.replicas = [self._replica(i, rid) for i, rid in enumerate(self.ids)]
@@ -202,6 +217,8 @@ class Simulator:
         req.replica = replica.idx
         req.t_dispatch = self.now
         self.ongoing[pos] += 1
+        if self.feed is not None:
+            self.feed.routed += 1
         replica.dispatch(req)
 
     def request_finished(self, req: SimRequest) -> None:

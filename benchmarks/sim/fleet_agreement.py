@@ -115,6 +115,22 @@ def _ks(a: Sequence[float], b: Sequence[float]) -> float:
                                - np.searchsorted(xb, grid, side="right") / len(xb))))
 
 
+def ensemble_rows(members: Sequence[Mapping]) -> list[dict]:
+    """Per cell, over several replays' agreements: live loads, p50 and p99 against the replays' spread, and
+    how many replays were within each tolerance."""
+    out = []
+    for k, row in enumerate(members[0]["rows"]):
+        cells = [m["rows"][k] for m in members]
+        entry: dict = {"segment": row["segment"], "variant": row["variant"]}
+        for short in ("loads", "p50", "p99"):
+            values = sorted(c[f"{short}_sim"] for c in cells)
+            entry[short] = (f"{row[f'{short}_live']:.0f} | {values[0]:.0f} / {values[len(values) // 2]:.0f} / "
+                            f"{values[-1]:.0f}")
+            entry[f"{short}_ok"] = f"{sum(c[f'{short}_ok'] for c in cells)}/{len(cells)}"
+        out.append(entry)
+    return out
+
+
 def main(argv: Optional[Sequence[str]] = None) -> dict:
     """Replay a ``fleet_live --json`` run in the simulator and print the agreement, cell by cell.
 
@@ -131,6 +147,11 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     parser.add_argument("--variants", nargs="+", help="replay only these (default: every variant the run has)")
     parser.add_argument("--quantiles", action="store_true", help="also print TTFT quantiles, live/sim, per cell")
     parser.add_argument("--json", metavar="PATH", help="write the simulated rows and the agreement here")
+    parser.add_argument("--ensemble", type=int, default=0, metavar="N",
+                        help="also N replays with each arrival up to --jitter-ms late, other router draws and other "
+                             "random replica ids (Serve's; a live run's are not recorded): how far each cell "
+                             "moves under what the live run does not fix (it is one such draw)")
+    parser.add_argument("--jitter-ms", type=float, default=10.0, help="the ensemble's send jitter (default 10)")
     args = parser.parse_args(argv)
     live = json.loads(open(args.live_json).read())
     live_rows = [r for r in live["rows"] if not args.variants or r["variant"] in args.variants]
@@ -145,6 +166,16 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     if args.quantiles:
         print()
         common.print_table(ttft_quantiles(live_rows, sim_rows), title="TTFT quantiles, ms live/sim (ks: KS distance)")
+    if args.ensemble > 0:
+        members = [agreement_with_live(live_rows, replay_fleet_live(
+            live["metadata"]["settings"], variants, starts=live_starts(live_rows), jitter_s=args.jitter_ms / 1000,
+            seed=1 + k)) for k in range(args.ensemble)]
+        print()
+        common.print_table(ensemble_rows(members), title=f"{args.ensemble} replays, arrivals up to {args.jitter_ms:g} ms "
+                           "late, random replica ids: live | the replays' min / median / max; ok: replays within "
+                           "tolerance")
+        print("  agreement of the replays: " + "; ".join(m["summary"].split(" (")[0] + f", {m['pairs_ok']}/{m['pairs']}"
+                                                         for m in members))
     print(f"\n{agreement['summary']}")
     if args.json:
         with open(args.json, "w") as f:

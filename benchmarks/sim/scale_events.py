@@ -22,8 +22,9 @@ steady state before it.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Optional
 
 from routing.directory import AdapterDirectory
 from routing.plan import planned_on
@@ -86,7 +87,7 @@ def add_replica(sim: Simulator, warm: bool, joins: list[Join]) -> SimReplica:
     return replica
 
 
-def warm_start_at_deploy(sim: Simulator) -> list[WarmStartPlan]:
+def warm_start_at_deploy(sim: Simulator, order: Optional[Sequence[int]] = None) -> list[WarmStartPlan]:
     """A fresh deployment as the live one comes up: the replicas start one at a time (Serve starts
     replica processes a few at a time; 16 took 200 s on two cores in ``fleet_live``), and each, as
     ``LoRAWorker.__init__`` runs:
@@ -115,7 +116,7 @@ def warm_start_at_deploy(sim: Simulator) -> list[WarmStartPlan]:
     for i in sim.routable:
         d.forget_replica(sim.replicas[i].rid)  # none has reported yet
     plans, up = [], []
-    for i in sim.routable:
+    for i in (sim.routable if order is None else order):
         replica = sim.replicas[i]
         d.apply_snapshot(replica.pool.snapshot())
         planned = d.planned_for(replica.rid, cfg.slots) if d.plan.holders else None
