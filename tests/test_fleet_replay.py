@@ -100,6 +100,19 @@ def test_the_multiplexed_baseline_unloads_its_lru_model_only_after_its_requests_
     assert sim.replicas[0].pool.counters.loads == 2
 
 
+def test_disk_reads_wait_for_one_of_the_workers_threads():
+    """The worker reads in ``asyncio.to_thread``: with ``read_threads`` reads running, the next waits for one."""
+    r8, r16 = COSTS.disk_read_s(8), COSTS.disk_read_s(16)
+    rows = [(0.0, 0, 10, 1), (0.0, 1, 10, 1), (0.0, 0, 10, 1)]
+    free = one_replica(hand_trace(rows, ranks=[8, 16]), slots=2, max_batch=4)
+    assert [r.t_submit for r in free.requests] == pytest.approx([r8, r16, r8])
+    one = one_replica(hand_trace(rows, ranks=[8, 16]), slots=2, max_batch=4, read_threads=1)
+    a, b, c = one.requests
+    assert (a.t_submit, c.t_submit) == pytest.approx((r8, r8))  # the third waits for the first's read, not a thread
+    assert b.t_submit == pytest.approx(r8 + r16)  # its read waited for the thread
+    assert one.replicas[0].timings.disk_s is not None
+
+
 def test_product_worker_copies_into_a_free_slot_without_draining():
     """The product's worker (no multiplexer) evicts an idle slot at the step boundary: no drain."""
     trace = hand_trace([(0.0, 0, 10, 100), (1.0, 1, 10, 1)], ranks=[8, 8])

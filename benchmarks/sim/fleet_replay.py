@@ -16,6 +16,8 @@ tiers, views and routers carry over, as on the live deployment):
   the seed's draw, the same for every segment);
 - the affinity router starts from the live router's priors (``RoutingConfig``'s defaults: a 0.5 s
   request, a 2 ms copy, a 50 ms read), not the cost model's, until replicas report measured times;
+- a worker reads at most ``read_threads`` adapters from disk at once (its to_thread executor's threads,
+  from the live machine's CPU count), the rest wait for a thread;
 - the host tier never evicts: the live workers keep 1 GiB of the demo's adapters, a few kB
   each, whatever rank the cost model prices them at;
 - router views lag as live: the directory hears the workers' events after their 20 ms flush
@@ -107,11 +109,18 @@ def jittered(trace: Trace, jitter_s: float, rng: np.random.Generator) -> Trace:
     return replace(trace, arrivals=np.maximum.accumulate(late))
 
 
+def read_threads(cpu_count: Optional[int]) -> Optional[int]:
+    """The live worker's disk reads at once: ``asyncio.to_thread`` runs them on the event loop's default
+    executor, ``min(32, CPUs + 4)`` threads (``concurrent.futures.ThreadPoolExecutor``) on the machine the
+    run had; None (no limit) when the run does not say."""
+    return None if not cpu_count else min(32, int(cpu_count) + 4)
+
+
 def replay_variant(settings: Mapping, variant: str, starts: Optional[Mapping[str, float]] = None,
-                   jitter_s: float = 0.0, seed: Optional[int] = None) -> list[dict]:
+                   jitter_s: float = 0.0, seed: Optional[int] = None, cpu_count: Optional[int] = None) -> list[dict]:
     """One variant's segments on one simulated fleet; a row per segment, the warm-up's included.
     ``jitter_s`` and ``seed`` (the routers' draws, the jitter's and Serve's random replica ids; default the run's
-    seed and ids replica-0000...): see ``jittered``."""
+    seed and ids replica-0000...): see ``jittered``. ``cpu_count``: the live machine's (``read_threads``)."""
     if variant not in VARIANT_ROUTER:
         raise ValueError(f"unknown variant {variant!r}; choose one of {sorted(VARIANT_ROUTER)}")
     args, costs = _args(settings), costs_of(settings)
@@ -126,6 +135,7 @@ def replay_variant(settings: Mapping, variant: str, starts: Optional[Mapping[str
     config = SimConfig(replicas=args.replicas, router=VARIANT_ROUTER[variant], slots=args.slots,
                        max_batch=args.rows, lag_s=LIVE_LAG_S.get(variant, 0.1), seed=seed, costs=costs,
                        warmup_fraction=0.0, adapter_names=ADAPTER_NAMES, paced_feed=True,
+                       read_threads=read_threads(cpu_count),
                        prior_load_s=(LIVE_PRIORS.host_load_s, LIVE_PRIORS.disk_load_s),
                        prior_request_s=LIVE_PRIORS.default_request_s,
                        replica_id_seed=None if jitter_s <= 0 and seed == int(args.seed) else seed)
@@ -144,13 +154,15 @@ def replay_variant(settings: Mapping, variant: str, starts: Optional[Mapping[str
 
 def replay_fleet_live(settings: dict, variants: list[str],
                       starts: Optional[Mapping[str, Mapping[str, float]]] = None,
-                      jitter_s: float = 0.0, seed: Optional[int] = None) -> list[dict]:
+                      jitter_s: float = 0.0, seed: Optional[int] = None,
+                      cpu_count: Optional[int] = None) -> list[dict]:
     """Every variant's measured segments, simulated: rows ``{variant, segment, loads, ttft_p50_ms,
     ttft_p99_ms, e2e_p50_ms, e2e_p99_ms, ...}`` as ``fleet_live`` reports them. ``starts``: variant ->
     segment -> live ``start_s`` (``live_starts``); without it, segments run back to back. ``jitter_s``,
-    ``seed``: as ``replay_variant`` (for ensembles; the defaults replay the run as it was sent)."""
+    ``seed``, ``cpu_count``: as ``replay_variant`` (jitter and seed for ensembles; the defaults replay the run
+    as it was sent; pass the live machine's CPU count: it bounds the workers' concurrent disk reads)."""
     out = []
     for variant in variants:
-        rows = replay_variant(settings, variant, (starts or {}).get(variant), jitter_s, seed)
+        rows = replay_variant(settings, variant, (starts or {}).get(variant), jitter_s, seed, cpu_count)
         out += [{k: v for k, v in r.items() if k != "measured"} for r in rows if r["measured"]]
     return out

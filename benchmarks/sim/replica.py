@@ -112,6 +112,9 @@ class SimReplica:
                                                       max_num_batched_tokens=self.costs.token_budget)
         self.host = HostTier(self.costs.host_cache_bytes)
         self.reading: dict[str, list[SimRequest]] = {}   # uid -> requests waiting for its disk read
+        self.read_threads: Optional[int] = config.read_threads  # reads at once (None: no limit)
+        self._reads_running = 0
+        self._reads_queued: deque[tuple[str, float]] = deque()  # (uid, asked at) waiting for a thread
         self.planned: set[str] = set()     # what the plan puts here, as this replica last heard it
         self.inflight: Counter = Counter()               # uid -> requests submitted to the engine, not finished
         self.models: OrderedDict[str, None] = OrderedDict()  # multiplexer's loaded models, LRU first
@@ -191,22 +194,35 @@ class SimReplica:
             self.copy_s += self.costs.host_copy_s(rank)
 
     def _read(self, uid: str, req: Optional[SimRequest]) -> None:
-        """A disk read into the host tier, off the engine thread; its waiters are submitted when it ends."""
+        """A disk read into the host tier, off the engine thread; its waiters are submitted when it ends.
+        The live worker reads in ``asyncio.to_thread``, on its event loop's default executor: with every
+        thread busy reading, the next read waits for one (``read_threads``)."""
         seconds = self.costs.disk_read_s(self.ranks[uid])
         self.disk_reads += 1
         self.disk_s += seconds
         if req is not None:
             req.disk, req.load_s = True, req.load_s + seconds
-        self.loop.at(self.loop.now + seconds, lambda: self._read_done(uid))
+        if self.read_threads is not None and self._reads_running >= self.read_threads:
+            self._reads_queued.append((uid, self.loop.now))
+            return
+        self._start_read(uid, self.loop.now)
 
-    def _read_done(self, uid: str) -> None:
-        self.timings.observe_disk(self.costs.disk_read_s(self.ranks[uid]))
+    def _start_read(self, uid: str, asked: float) -> None:
+        self._reads_running += 1
+        seconds = self.costs.disk_read_s(self.ranks[uid])
+        self.loop.at(self.loop.now + seconds, lambda: self._read_done(uid, asked))
+
+    def _read_done(self, uid: str, asked: float) -> None:
+        self._reads_running -= 1
+        self.timings.observe_disk(self.loop.now - asked)  # as the worker times it: the wait for a thread too
         self.host.put(uid, self.costs.adapter_bytes(self.ranks[uid]))
         waiters = self.reading.pop(uid, ())
         for req in waiters:
             self.submit(req)
         if not waiters:  # a background re-read: the requeued requests may go now
             self._wake()
+        if self._reads_queued:
+            self._start_read(*self._reads_queued.popleft())
 
     def heartbeat(self) -> dict:
         """What the live worker's heartbeat tells the directory besides busy seconds
