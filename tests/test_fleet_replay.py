@@ -287,3 +287,16 @@ def _snapshot(rid: str):
     from pool.shapes import LoRAModelShape
 
     return LoRAMemoryPool(LoRAModelShape(num_layers=0, modules={}), 2, 8, lambda uid: None, replica_id=rid).snapshot()
+
+
+def test_ensemble_rows_and_split_rankings_summarise_several_replays():
+    live = [live_row("affinity", 100, 200.0, 900.0), live_row("pow2", 120, 210.0, 1000.0)]
+    replays = [[live_row("affinity", a, 200.0, p), live_row("pow2", 120, 210.0, 1000.0)]
+               for a, p in ((101, 950.0), (99, 1050.0), (130, 980.0))]
+    from benchmarks.sim.fleet_agreement import ensemble_rows, ranking_votes
+
+    members = [agreement_with_live(live, r) for r in replays]
+    rows = {r["variant"]: r for r in ensemble_rows(members)}
+    assert rows["affinity"]["loads"] == "100 | 99 / 101 / 130" and rows["affinity"]["loads_ok"] == "2/3"
+    split = ranking_votes(members)
+    assert [(r["metric"], r["votes"]) for r in split] == [("loads", "2/3"), ("ttft_p99_ms", "2/3")]

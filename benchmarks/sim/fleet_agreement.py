@@ -131,6 +131,18 @@ def ensemble_rows(members: Sequence[Mapping]) -> list[dict]:
     return out
 
 
+def ranking_votes(members: Sequence[Mapping]) -> list[dict]:
+    """The rankings on which several replays disagree among themselves: each with how many replays had the
+    live order. A pair the replays split on is decided by noise the live run does not fix, not by the model."""
+    out = []
+    for k, r in enumerate(members[0]["rankings"]):
+        same = sum(m["rankings"][k]["same"] for m in members)
+        if 0 < same < len(members):
+            out.append({"segment": r["segment"], "metric": r["metric"], "pair": r["pair"],
+                        "votes": f"{same}/{len(members)}"})
+    return out
+
+
 def main(argv: Optional[Sequence[str]] = None) -> dict:
     """Replay a ``fleet_live --json`` run in the simulator and print the agreement, cell by cell.
 
@@ -175,6 +187,10 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         common.print_table(ensemble_rows(members), title=f"{args.ensemble} replays, arrivals up to {args.jitter_ms:g} ms "
                            "late, random replica ids: live | the replays' min / median / max; ok: replays within "
                            "tolerance")
+        shaky = ranking_votes(members)
+        if shaky:
+            print("  rankings the replays split on (replays with the live order): "
+                  + "; ".join(f"{r['segment']} {r['metric']} {r['pair']} {r['votes']}" for r in shaky))
         print("  agreement of the replays: " + "; ".join(m["summary"].split(" (")[0] + f", {m['pairs_ok']}/{m['pairs']}"
                                                          for m in members))
     print(f"\n{agreement['summary']}")
