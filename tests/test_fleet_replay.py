@@ -222,20 +222,18 @@ def test_the_replay_names_adapters_as_fleet_live_does():
 
 
 def test_the_replay_polls_and_prices_as_the_live_router_does():
-    """The replayed affinity router's feed pacing and priors are the live router's defaults (fleet_live sets
-    none of them): a changed default there must show up here."""
-    import inspect
-
+    """The replayed affinity router's feed pacing and priors are the default routing settings, which the live
+    router builds because fleet_live sets none: a routing setting fleet_live starts to pass must show up here."""
     from benchmarks.sim.feed import PollPacing
     from benchmarks.sim.fleet_replay import LIVE_PRIORS
-    from routing.ray_router import AdapterAffinityRouter
+    from routing.settings import DEFAULT_SETTINGS
 
-    defaults = {k: p.default for k, p in inspect.signature(AdapterAffinityRouter.initialize_state).parameters.items()}
+    args = fleet_live.make_parser().parse_args(["--quick"])
+    assert fleet_live.app_args(args, CostModel().scaled(args.time_scale)).router_kwargs() == {}
     pacing = PollPacing()
     assert (pacing.requests_per_poll, pacing.min_interval_s, pacing.timeout_s) == (
-        defaults["requests_per_poll"], defaults["min_poll_interval_s"], defaults["poll_timeout_s"])
-    assert (LIVE_PRIORS.host_load_s, LIVE_PRIORS.disk_load_s, LIVE_PRIORS.default_request_s) == (
-        defaults["host_load_s"], defaults["disk_load_s"], defaults["default_request_s"])
+        DEFAULT_SETTINGS.requests_per_poll, DEFAULT_SETTINGS.min_poll_interval_s, DEFAULT_SETTINGS.poll_timeout_s)
+    assert LIVE_PRIORS == DEFAULT_SETTINGS
 
 
 def test_a_paced_feed_reaches_the_router_once_per_poll_of_requests():

@@ -19,20 +19,21 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Sequence
 
 from routing.directory import AdapterDirectory
+from routing.settings import DEFAULT_SETTINGS
 
 
 @dataclass(frozen=True)
 class PollPacing:
     """How the live router pulls the directory (``routing.ray_router.AdapterAffinityRouter._poll_directory``,
-    its ``initialize_state`` defaults; a test checks they agree): a long poll goes out once
+    with the default ``routing.settings.RoutingSettings``): a long poll goes out once
     ``requests_per_poll`` requests were routed since the last one went out (or ``timeout_s`` passed), never
     sooner than ``min_interval_s`` after it; it returns with the first change past the router's version
     (or empty after ``timeout_s``). Between two replies the router routes on its view plus its own
     decisions, so under traffic it sees the pools a poll's worth of requests late, not a flush late."""
 
-    requests_per_poll: int = 16
-    min_interval_s: float = 0.2
-    timeout_s: float = 5.0
+    requests_per_poll: int = DEFAULT_SETTINGS.requests_per_poll
+    min_interval_s: float = DEFAULT_SETTINGS.min_poll_interval_s
+    timeout_s: float = DEFAULT_SETTINGS.poll_timeout_s
 
 
 class DirectoryFeed:

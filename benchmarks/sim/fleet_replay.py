@@ -14,7 +14,7 @@ tiers, views and routers carry over, as on the live deployment):
   plan no longer followed): they start cold;
 - the modelled ranks are the ones the live replicas are given (``fleet_live.adapter_ranks``:
   the seed's draw, the same for every segment);
-- the affinity router starts from the live router's priors (``RoutingConfig``'s defaults: a 0.5 s
+- the affinity router starts from the live router's priors (``RoutingSettings``' defaults: a 0.5 s
   request, a 2 ms copy, a 50 ms read), not the cost model's, until replicas report measured times;
 - a worker reads at most ``read_threads`` adapters from disk at once (its to_thread executor's threads,
   from the live machine's CPU count), the rest wait for a thread;
@@ -38,7 +38,7 @@ from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
-from routing.policy import RoutingConfig
+from routing.settings import DEFAULT_SETTINGS
 
 from ..fleet_live import Segment, adapter_name, adapter_ranks, segment_trace
 from .config import SimConfig, SimRequest
@@ -54,9 +54,9 @@ VARIANT_ROUTER = {"affinity": "affinity", "multiplexed": "multiplex", "pow2": "p
 LIVE_LAG_S = {"affinity": 0.02, "multiplexed": 0.1}  # pool change -> the router's view (see the docstring)
 WARM_STARTED = ("affinity",)  # deployed fresh: its workers' warm start runs; the others start empty
 ADAPTER_NAMES = "demo-{}"  # fleet_live.adapter_name: the plan orders equal needs by name, so the names must match
-# the live router's priors until replicas report measured times: fleet_live passes only load_bound_epsilon,
-# so AdapterAffinityRouter.initialize_state's defaults hold, which are RoutingConfig's (tests check they agree)
-LIVE_PRIORS = RoutingConfig()
+# the live router's priors until replicas report measured times: fleet_live sets no routing setting, so the
+# router builds DEFAULT_SETTINGS (a test checks fleet_live's router kwargs stay empty)
+LIVE_PRIORS = DEFAULT_SETTINGS
 SEGMENT_GAP_S = 0.5  # benchmarks.fleet_live.Fleet.replay: the client starts sending 0.5 s after the call
 
 
