@@ -436,9 +436,13 @@ def main(argv=None) -> list[dict]:
 
     agreement = None
     if not args.no_sim:
-        from .sim.fleet_replay import agreement_with_live, replay_fleet_live
+        import os
 
-        sim_rows = replay_fleet_live(_settings(args, segments, costs), args.variants)
+        from .sim.fleet_replay import agreement_with_live, live_starts, replay_fleet_live
+
+        # the segments at the offsets they had here, on this machine's CPU count (the workers' read threads)
+        sim_rows = replay_fleet_live(_settings(args, segments, costs), args.variants, starts=live_starts(rows),
+                                     cpu_count=os.cpu_count())
         agreement = agreement_with_live(rows, sim_rows)
     columns = ["segment", "variant", "loads", "ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms", "req_per_s",
                "errors", "client_cpu_ms", "fleet_cpu_share", "machine_cpu_share"]

@@ -100,6 +100,19 @@ def test_the_multiplexed_baseline_unloads_its_lru_model_only_after_its_requests_
     assert sim.replicas[0].pool.counters.loads == 2
 
 
+def test_disk_reads_wait_for_one_of_the_workers_threads():
+    """The worker reads in ``asyncio.to_thread``: with ``read_threads`` reads running, the next waits for one."""
+    r8, r16 = COSTS.disk_read_s(8), COSTS.disk_read_s(16)
+    rows = [(0.0, 0, 10, 1), (0.0, 1, 10, 1), (0.0, 0, 10, 1)]
+    free = one_replica(hand_trace(rows, ranks=[8, 16]), slots=2, max_batch=4)
+    assert [r.t_submit for r in free.requests] == pytest.approx([r8, r16, r8])
+    one = one_replica(hand_trace(rows, ranks=[8, 16]), slots=2, max_batch=4, read_threads=1)
+    a, b, c = one.requests
+    assert (a.t_submit, c.t_submit) == pytest.approx((r8, r8))  # the third waits for the first's read, not a thread
+    assert b.t_submit == pytest.approx(r8 + r16)  # its read waited for the thread
+    assert one.replicas[0].timings.disk_s is not None
+
+
 def test_product_worker_copies_into_a_free_slot_without_draining():
     """The product's worker (no multiplexer) evicts an idle slot at the step boundary: no drain."""
     trace = hand_trace([(0.0, 0, 10, 100), (1.0, 1, 10, 1)], ranks=[8, 8])
@@ -181,14 +194,107 @@ def test_cluster_sim_takes_a_fleet_live_json(tmp_path, capsys):
     assert goal["pass"] is False and goal["measured"] == 0.5  # the loads pair flipped; the p99 pair did not
 
 
-def test_a_fresh_affinity_deployment_warm_starts_the_plan_and_a_viewless_one_does_not():
+def test_a_fresh_affinity_deployment_comes_up_one_replica_at_a_time_and_a_viewless_one_stays_cold():
+    """As live (``scale_events.warm_start_at_deploy``): the first replica finds no plan and warms nothing, then
+    reads ahead what the next plan tick gives it (free slots first); each later one warms its trial plan;
+    at the end every replica has noted the final plan's placements on it."""
     from benchmarks.sim.scale_events import warm_start_at_deploy
+    from routing.plan import planned_on
 
     trace = hand_trace([(0.0, a, 10, 1) for a in range(40)], ranks=[8] * 40)
     sim = Simulator(trace, SimConfig(replicas=4, router="affinity", slots=4, warmup_fraction=0.0))
     plans = warm_start_at_deploy(sim)
-    assert len(plans) == 4 and all(0 < len(p.slots) <= 3 for p in plans)
-    for plan, replica in zip(plans, sim.replicas):
-        assert set(replica.pool.uid_to_slot) == set(plan.slots)
+    assert len(plans) == 4 and plans[0].slots == plans[0].host == ()
+    assert len(sim.replicas[0].pool.uid_to_slot) == 4  # read ahead into its free slots
+    for plan, replica in zip(plans[1:], sim.replicas[1:]):
+        assert 0 < len(plan.slots) <= 3 and set(plan.slots) <= set(replica.pool.uid_to_slot)
         assert set(plan.slots) | set(plan.host) <= set(replica.host.entries)  # read before traffic
+    for replica in sim.replicas:
+        assert replica.planned == set(planned_on(sim.directory.plan, replica.rid))
     assert warm_start_at_deploy(Simulator(trace, SimConfig(replicas=4, router="pow2"))) == []
+
+
+def test_the_replay_names_adapters_as_fleet_live_does():
+    """The plan orders adapters of equal need by name: the replay must use the live run's names."""
+    from benchmarks.sim.fleet_replay import ADAPTER_NAMES
+
+    assert all(ADAPTER_NAMES.format(i) == fleet_live.adapter_name(i) for i in (0, 7, 100, 255))
+
+
+def test_the_replay_polls_and_prices_as_the_live_router_does():
+    """The replayed affinity router's feed pacing and priors are the default routing settings, which the live
+    router builds because fleet_live sets none: a routing setting fleet_live starts to pass must show up here."""
+    from benchmarks.sim.feed import PollPacing
+    from benchmarks.sim.fleet_replay import LIVE_PRIORS
+    from routing.settings import DEFAULT_SETTINGS
+
+    args = fleet_live.make_parser().parse_args(["--quick"])
+    assert fleet_live.app_args(args, CostModel().scaled(args.time_scale)).router_kwargs() == {}
+    pacing = PollPacing()
+    assert (pacing.requests_per_poll, pacing.min_interval_s, pacing.timeout_s) == (
+        DEFAULT_SETTINGS.requests_per_poll, DEFAULT_SETTINGS.min_poll_interval_s, DEFAULT_SETTINGS.poll_timeout_s)
+    assert LIVE_PRIORS == DEFAULT_SETTINGS
+
+
+def test_a_paced_feed_reaches_the_router_once_per_poll_of_requests():
+    """With ``PollPacing`` the router hears the directory only when a poll is out: after 16 routed requests
+    (or 5 s idle), never twice within 0.2 s; unpaced, at every sync."""
+    from benchmarks.sim.feed import DirectoryFeed, PollPacing
+
+    class Router:
+        replies = 0
+
+        def apply_directory_reply(self, reply):
+            self.replies += 1
+
+    now = [0.0]
+    feed = DirectoryFeed(lambda: now[0], 0.02, 8, registered=["a"], pacing=PollPacing())
+    feed.join("r1", _snapshot("r1"))
+    router = Router()
+    feed.start(router)
+    assert router.replies == 1
+    for step in range(1, 50):  # 1 s of syncs, every one with news (a heartbeat that changes), no traffic
+        now[0] = step * 0.02
+        feed.directory.heartbeat("r1", host_cached=[f"x{step}"])
+        feed.sync(router)
+    assert router.replies == 1  # no poll went out: no traffic and < 5 s
+    feed.routed += 16
+    now[0] += 0.02
+    feed.directory.heartbeat("r1", host_cached=["y"])
+    feed.sync(router)
+    assert router.replies == 2
+    now[0] += 0.02
+    feed.routed += 16
+    feed.directory.heartbeat("r1", host_cached=["z"])
+    feed.sync(router)
+    assert router.replies == 2  # due by traffic, but within 0.2 s of the last poll
+    now[0] += 0.2
+    feed.sync(router)
+    assert router.replies == 3
+    now[0] += 5.0
+    feed.sync(router)  # 5 s idle: a poll goes out, and nothing new: it waits
+    assert router.replies == 3
+    feed.directory.heartbeat("r1", host_cached=["w"])
+    now[0] += 0.02
+    feed.sync(router)
+    assert router.replies == 4
+
+
+def _snapshot(rid: str):
+    from pool.memory_pool import LoRAMemoryPool
+    from pool.shapes import LoRAModelShape
+
+    return LoRAMemoryPool(LoRAModelShape(num_layers=0, modules={}), 2, 8, lambda uid: None, replica_id=rid).snapshot()
+
+
+def test_ensemble_rows_and_split_rankings_summarise_several_replays():
+    live = [live_row("affinity", 100, 200.0, 900.0), live_row("pow2", 120, 210.0, 1000.0)]
+    replays = [[live_row("affinity", a, 200.0, p), live_row("pow2", 120, 210.0, 1000.0)]
+               for a, p in ((101, 950.0), (99, 1050.0), (130, 980.0))]
+    from benchmarks.sim.fleet_agreement import ensemble_rows, ranking_votes
+
+    members = [agreement_with_live(live, r) for r in replays]
+    rows = {r["variant"]: r for r in ensemble_rows(members)}
+    assert rows["affinity"]["loads"] == "100 | 99 / 101 / 130" and rows["affinity"]["loads_ok"] == "2/3"
+    split = ranking_votes(members)
+    assert [(r["metric"], r["votes"]) for r in split] == [("loads", "2/3"), ("ttft_p99_ms", "2/3")]

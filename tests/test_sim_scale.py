@@ -74,20 +74,26 @@ def test_joined_replicas_take_traffic_only_after_joining_and_removed_ones_drain(
 
 
 def test_warm_start_loads_the_plan_before_traffic_and_saves_loads_there() -> None:
-    t = trace(n=1500, adapters=30)
-    out_at = float(t.arrivals[600])
-    loads = {}
-    for warm in (False, True):
-        sim = Simulator(t, SimConfig(replicas=4, router="affinity"))
-        joins = schedule(sim, [ScaleEvent(out_at, 1)], warm)
-        sim.run()
-        new = sim.replicas[joins[0].replica]
-        loads[warm] = sum(1 for r in sim.requests if r.replica == new.idx and r.loaded)
-        if warm:
-            assert 0 < joins[0].warm_slots <= sim.config.slots - 1
-            assert joins[0].joined > joins[0].decided  # the reads took time
-            assert new.pool.counters.loads >= joins[0].warm_slots
-    assert loads[True] < loads[False]
+    """Over three traces: never more loads on the new replica warm than cold, and fewer in all (one trace
+    alone can tie: demand reaches the plan once a second, as the workers' heartbeats carry it)."""
+    saved = 0
+    for seed in (3, 4, 5):
+        t = trace(n=1500, adapters=30, seed=seed)
+        out_at = float(t.arrivals[600])
+        loads = {}
+        for warm in (False, True):
+            sim = Simulator(t, SimConfig(replicas=4, router="affinity"))
+            joins = schedule(sim, [ScaleEvent(out_at, 1)], warm)
+            sim.run()
+            new = sim.replicas[joins[0].replica]
+            loads[warm] = sum(1 for r in sim.requests if r.replica == new.idx and r.loaded)
+            if warm:
+                assert 0 < joins[0].warm_slots <= sim.config.slots - 1
+                assert joins[0].joined > joins[0].decided  # the reads took time
+                assert new.pool.counters.loads >= joins[0].warm_slots
+        assert loads[True] <= loads[False]
+        saved += loads[False] - loads[True]
+    assert saved > 0
 
 
 def test_warm_adapters_are_what_the_placement_plan_would_give_the_new_replica() -> None:

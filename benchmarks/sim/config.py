@@ -19,6 +19,7 @@ class SimConfig:
     max_lora_rank: int = 64
     eviction_policy: str = "lru"
     lag_s: float = 0.1              # pool event -> router view
+    paced_feed: bool = False        # the view router polls as live (feed.PollPacing), not every lag_s
     load_bound_epsilon: float = 0.25
     routing_tasks_per_replica: int = 2  # Serve routes at most this many waiting requests per replica at once
     routing_tasks_min: int = DEFAULT_SETTINGS.max_routing_tasks  # ... and the affinity router asks for at least this many
@@ -32,6 +33,9 @@ class SimConfig:
     costs: CostModel = field(default_factory=CostModel)
     prior_load_s: Optional[tuple[float, float]] = None  # affinity's (host, disk) load priors; None: from costs
     prior_request_s: Optional[float] = None             # affinity's request-time prior; None: from costs
+    read_threads: Optional[int] = None  # disk reads at once per product worker (its to_thread executor); None: any
+    replica_id_seed: Optional[int] = None  # None: replica-0000...; else random ids as Serve draws them (ensembles)
+    adapter_names: Optional[str] = None  # format of adapter i's name, e.g. "demo-{}"; None: traces.adapter_uid
 
 
 class SimRequest:

@@ -3,7 +3,7 @@
 Pool events are buffered with their simulated time; ``sync`` hands the events at least
 ``lag_s`` old to a real ``AdapterDirectory`` and gives the router the directory's
 ``changes_since`` delta (a long poll returns only when there is news). Completed requests'
-busy seconds reach the directory as the workers' heartbeats carry them, and once every
+busy seconds reach the directory as the workers' heartbeats carry them (``busy`` syncs), and once every
 ``heartbeat_interval_s`` each replica's heartbeat extras (``SimReplica.heartbeat``: host-cached
 and loading adapters, measured load seconds, queue length; ``LoRAWorker._state_extras``), by
 which the live router prices a load as a host copy or a disk read; and every
@@ -15,15 +15,37 @@ request); a changed plan rides on the next reply.
 from __future__ import annotations
 
 from collections import Counter, deque
-from typing import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Callable, Mapping, Optional, Sequence
 
 from routing.directory import AdapterDirectory
+from routing.settings import DEFAULT_SETTINGS
+
+
+@dataclass(frozen=True)
+class PollPacing:
+    """How the live router pulls the directory (``routing.ray_router.AdapterAffinityRouter._poll_directory``,
+    with the default ``routing.settings.RoutingSettings``): a long poll goes out once
+    ``requests_per_poll`` requests were routed since the last one went out (or ``timeout_s`` passed), never
+    sooner than ``min_interval_s`` after it; it returns with the first change past the router's version
+    (or empty after ``timeout_s``). Between two replies the router routes on its view plus its own
+    decisions, so under traffic it sees the pools a poll's worth of requests late, not a flush late."""
+
+    requests_per_poll: int = DEFAULT_SETTINGS.requests_per_poll
+    min_interval_s: float = DEFAULT_SETTINGS.min_poll_interval_s
+    timeout_s: float = DEFAULT_SETTINGS.poll_timeout_s
 
 
 class DirectoryFeed:
     def __init__(self, clock: Callable[[], float], lag_s: float, rows: int, plan_interval_s: float = 1.0,
-                 heartbeat_interval_s: float = 1.0, registered: Sequence[str] = ()):
+                 heartbeat_interval_s: float = 1.0, registered: Sequence[str] = (),
+                 pacing: Optional[PollPacing] = None):
         self.clock = clock
+        self.pacing = pacing  # None: the router takes every delta at once (every sync)
+        self.routed = 0        # requests the router routed (paces its polls)
+        self._routed_at_poll = 0
+        self._poll_sent_at = float("-inf")
+        self._poll_out = False
         self.registered = tuple(registered)  # every adapter that exists: the live directory plans them all
         self.heartbeat_interval_s = heartbeat_interval_s
         self._heartbeat_at = float("-inf")
@@ -59,6 +81,7 @@ class DirectoryFeed:
         d = self.directory
         router.apply_directory_reply({"epoch": "sim", "version": d.version, "full": d.full_view()})
         self.version = d.version
+        self._poll_sent_at, self._routed_at_poll = self.clock(), self.routed
 
     def heartbeat_due(self) -> bool:
         """Whether the replicas' heartbeats are due now (once every ``heartbeat_interval_s``)."""
@@ -72,7 +95,10 @@ class DirectoryFeed:
         if replica_id in self.directory.replicas:
             self.directory.heartbeat(replica_id, **extras)
 
-    def sync(self, router) -> None:
+    def sync(self, router, busy: bool = True) -> None:
+        """Events at least ``lag_s`` old to the directory; with ``busy``, also the busy seconds since the
+        last delivery (the live worker sends them in its heartbeat, once a second); a re-plan when due;
+        the router's delta."""
         cutoff = self.clock() - self.lag_s
         pending = self.pending
         batch: dict[str, list] = {}
@@ -82,13 +108,16 @@ class DirectoryFeed:
         d = self.directory
         for rid, events in batch.items():
             d.apply_events(rid, events)
-        busy, self._busy = self._busy, {}
-        for rid, seconds in busy.items():
-            if rid in d.replicas:  # a replica first heard of by heartbeat would need a resync
-                d.heartbeat(rid, busy_s=seconds)
+        if busy:
+            reported, self._busy = self._busy, {}
+            for rid, seconds in reported.items():
+                if rid in d.replicas:  # a replica first heard of by heartbeat would need a resync
+                    d.heartbeat(rid, busy_s=seconds)
         if self.clock() - self._planned_at >= self.plan_interval_s:
             self._planned_at = self.clock()
             d.update_plan(registered=self.registered)
+        if not self._poll_answered():
+            return
         version, changes = d.changes_since(self.version)
         if changes is None:
             reply = {"epoch": "sim", "version": version, "full": d.full_view()}
@@ -101,3 +130,18 @@ class DirectoryFeed:
             self.plan_version = d.plan.version
         router.apply_directory_reply(reply)
         self.version = version
+        self._poll_out = False
+
+    def _poll_answered(self) -> bool:
+        """With ``pacing``: send the router's next poll when it is due; whether one is out now (a reply,
+        when the directory has news, answers it)."""
+        if self.pacing is None:
+            return True
+        now, p = self.clock(), self.pacing
+        if self._poll_out and now - self._poll_sent_at >= p.timeout_s:
+            self._poll_out = False  # returned empty: the next goes out when due
+        if not self._poll_out and now - self._poll_sent_at >= p.min_interval_s and (
+                self.routed - self._routed_at_poll >= p.requests_per_poll or now - self._poll_sent_at >= p.timeout_s):
+            self._poll_out = True
+            self._poll_sent_at, self._routed_at_poll = now, self.routed
+        return self._poll_out

@@ -33,7 +33,7 @@ from routing.directory import AdapterDirectory
 
 from ..traces import Trace, adapter_uid
 from .config import SimConfig, SimRequest
-from .feed import DirectoryFeed
+from .feed import DirectoryFeed, PollPacing
 from .replica import HostTier, SimReplica
 from .routers import ROUTERS
 
@@ -75,17 +75,33 @@ class SimResult:
         return d
 
 
+SERVE_ID_ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"  # ray._common.utils.RANDOM_STRING_ALPHABET
+
+
+def replica_ids(n: int, seed: Optional[int] = None) -> tuple[str, ...]:
+    """``n`` replica ids, sorted. ``seed``: random 8-character ids as Serve draws them
+    (``deployment_state``: ``ReplicaID(get_random_string())``), since hashing routers and the plan's ties
+    depend on the ids and a live run's are not recorded; None: ``replica-0000``, ``replica-0001``, ..."""
+    if seed is None:
+        return tuple(f"replica-{i:04d}" for i in range(n))
+    rng = np.random.default_rng(seed)
+    letters = np.array(list(SERVE_ID_ALPHABET))
+    return tuple(sorted("".join(rng.choice(letters, 8)) for _ in range(n)))
+
+
 class Simulator:
     def __init__(self, trace: Trace, config: SimConfig):
         if config.router not in ROUTERS:
             raise ValueError(f"unknown router {config.router!r}; choose one of {sorted(ROUTERS)}")
         self.trace, self.config = trace, config
         self.now = 0.0
-        self.ids = tuple(f"replica-{i:04d}" for i in range(config.replicas))  # sorted, as the Serve router sorts
+        self.ids = replica_ids(config.replicas, config.replica_id_seed)  # sorted, as the Serve router sorts
         self.max_ongoing = config.max_batch
         self.ongoing = np.zeros(config.replicas, dtype=np.float64)
         self.router = ROUTERS[config.router](self)
-        self.ranks = {adapter_uid(a): int(r) for a, r in enumerate(trace.ranks.tolist())}
+        # adapter i's name: the plan breaks ties by name, so a replay of a live run names them as it did
+        self.uid_of: Callable[[int], str] = adapter_uid if config.adapter_names is None else config.adapter_names.format
+        self.ranks = {self.uid_of(a): int(r) for a, r in enumerate(trace.ranks.tolist())}
         self._configs: dict[int, AdapterConfig] = {}
         self.feed: Optional[DirectoryFeed] = None
         self._plan_followed = -1  # the plan version the replicas last followed
@@ -93,7 +109,8 @@ class Simulator:
         self._listener = None
         if self.router.uses_view:
             self.feed = DirectoryFeed(lambda: self.now, config.lag_s, config.max_batch,
-                                      registered=[adapter_uid(a) for a in range(trace.num_adapters)])
+                                      registered=[self.uid_of(a) for a in range(trace.num_adapters)],
+                                      pacing=PollPacing() if config.paced_feed else None)
             self.directory = self.feed.directory
             self._listener = self.feed.on_pool_event
         self.replicas = [self._replica(i, rid) for i, rid in enumerate(self.ids)]
@@ -130,12 +147,14 @@ class Simulator:
 
     def _sync(self) -> None:
         """Deliver events at least ``lag_s`` old to the directory (and, once a second, the routable
-        replicas' heartbeats); the router pulls the delta."""
-        if self.feed.heartbeat_due():
+        replicas' heartbeats with the busy seconds since the last: ``LoRAWorker._heartbeat``); the
+        router pulls the delta."""
+        due = self.feed.heartbeat_due()
+        if due:
             for i in self.routable:
                 replica = self.replicas[i]
                 self.feed.heartbeat(replica.rid, replica.heartbeat())
-        self.feed.sync(self.router)
+        self.feed.sync(self.router, busy=due)
         plan = self.directory.plan
         if self.router.follows_plan and plan.version != self._plan_followed:
             self._plan_followed = plan.version  # the live worker hears it in its next report's reply
@@ -143,6 +162,11 @@ class Simulator:
                 replica = self.replicas[i]
                 replica.follow_plan([name for name, holders in plan.holders.items() if replica.rid in holders],
                                     list(plan.slotted.get(replica.rid, ())))
+
+    def followed_plan(self, version: int) -> None:
+        """The replicas follow plan ``version`` already (a deploy's warm start made them): the next sync
+        hands them only a newer one."""
+        self._plan_followed = version
 
     def _push_model_ids(self, taken: Optional[list] = None) -> None:
         """Serve's two 100 ms loops (``lag_s``): each replica pushes its model ids to the controller
@@ -193,6 +217,8 @@ class Simulator:
         req.replica = replica.idx
         req.t_dispatch = self.now
         self.ongoing[pos] += 1
+        if self.feed is not None:
+            self.feed.routed += 1
         replica.dispatch(req)
 
     def request_finished(self, req: SimRequest) -> None:
@@ -258,7 +284,7 @@ class Simulator:
         arrivals = [t0 + a for a in trace.arrivals.tolist()]
         ins, outs = trace.input_lens.tolist(), trace.output_lens.tolist()
         reqs = [SimRequest(base + k, uid, arrivals[k], ins[k], outs[k], self.ranks[uid])
-                for k, uid in enumerate(adapter_uid(a) for a in adapters)]
+                for k, uid in enumerate(self.uid_of(a) for a in adapters)]
         self.requests += reqs
         if not self._started:
             self._started = True

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import math
 from itertools import combinations
-from typing import Mapping, Sequence
+from typing import Mapping, Optional, Sequence
+
+import numpy as np
 
 LOADS_TOL = 0.10
 TTFT_TOL = 0.25
@@ -79,3 +81,124 @@ def _rankings(live_rows: Sequence[Mapping], sim_by: Mapping[tuple, Mapping]) -> 
 
 def _order(a: str, b: str, sign: int) -> str:
     return f"{a} < {b}" if sign < 0 else f"{b} < {a}" if sign > 0 else f"{a} = {b}"
+
+
+# ---------------------------------------------------------------------------- the command line
+
+QUANTILES = (10, 25, 50, 75, 90, 95, 99)
+
+
+def ttft_quantiles(live_rows: Sequence[Mapping], sim_rows: Sequence[Mapping]) -> list[dict]:
+    """Per cell, live and simulated TTFT quantiles (ms) from the rows' per-request ``ttft_s``: where in the
+    distribution the two part (a constant offset, a tail, a mode), which p50 and p99 alone do not show."""
+    sim_by = {(r["segment"], r["variant"]): r for r in sim_rows}
+    out = []
+    for lr in sorted(live_rows, key=lambda r: (r["segment"], r["variant"])):
+        sr = sim_by.get((lr["segment"], lr["variant"]))
+        live = [x for x in lr.get("ttft_s") or () if x is not None]
+        sim = list((sr or {}).get("ttft_s") or ())
+        if not live or not sim:
+            continue
+        row: dict = {"segment": lr["segment"], "variant": lr["variant"]}
+        for q in QUANTILES:
+            row[f"p{q}"] = f"{1000 * float(np.percentile(live, q)):.0f}/{1000 * float(np.percentile(sim, q)):.0f}"
+        row["ks"] = round(_ks(live, sim), 3)
+        out.append(row)
+    return out
+
+
+def _ks(a: Sequence[float], b: Sequence[float]) -> float:
+    """The two samples' Kolmogorov-Smirnov distance (largest gap between their empirical CDFs)."""
+    xa, xb = np.sort(np.asarray(a, dtype=float)), np.sort(np.asarray(b, dtype=float))
+    grid = np.concatenate([xa, xb])
+    return float(np.max(np.abs(np.searchsorted(xa, grid, side="right") / len(xa)
+                               - np.searchsorted(xb, grid, side="right") / len(xb))))
+
+
+def ensemble_rows(members: Sequence[Mapping]) -> list[dict]:
+    """Per cell, over several replays' agreements: live loads, p50 and p99 against the replays' spread, and
+    how many replays were within each tolerance."""
+    out = []
+    for k, row in enumerate(members[0]["rows"]):
+        cells = [m["rows"][k] for m in members]
+        entry: dict = {"segment": row["segment"], "variant": row["variant"]}
+        for short in ("loads", "p50", "p99"):
+            values = sorted(c[f"{short}_sim"] for c in cells)
+            entry[short] = (f"{row[f'{short}_live']:.0f} | {values[0]:.0f} / {values[len(values) // 2]:.0f} / "
+                            f"{values[-1]:.0f}")
+            entry[f"{short}_ok"] = f"{sum(c[f'{short}_ok'] for c in cells)}/{len(cells)}"
+        out.append(entry)
+    return out
+
+
+def ranking_votes(members: Sequence[Mapping]) -> list[dict]:
+    """The rankings on which several replays disagree among themselves: each with how many replays had the
+    live order. A pair the replays split on is decided by noise the live run does not fix, not by the model."""
+    out = []
+    for k, r in enumerate(members[0]["rankings"]):
+        same = sum(m["rankings"][k]["same"] for m in members)
+        if 0 < same < len(members):
+            out.append({"segment": r["segment"], "metric": r["metric"], "pair": r["pair"],
+                        "votes": f"{same}/{len(members)}"})
+    return out
+
+
+def main(argv: Optional[Sequence[str]] = None) -> dict:
+    """Replay a ``fleet_live --json`` run in the simulator and print the agreement, cell by cell.
+
+    Why a command of its own: the simulator's model is changed until it reproduces the live run,
+    and each change needs the same table (a few seconds; ``cluster_sim --live-json`` runs much more)."""
+    import argparse
+    import json
+
+    from .. import common
+    from .fleet_replay import live_starts, replay_fleet_live
+
+    parser = argparse.ArgumentParser(description=main.__doc__.split("\n\n")[0])
+    parser.add_argument("--live-json", required=True, help="a fleet_live --json run")
+    parser.add_argument("--variants", nargs="+", help="replay only these (default: every variant the run has)")
+    parser.add_argument("--quantiles", action="store_true", help="also print TTFT quantiles, live/sim, per cell")
+    parser.add_argument("--json", metavar="PATH", help="write the simulated rows and the agreement here")
+    parser.add_argument("--ensemble", type=int, default=0, metavar="N",
+                        help="also N replays with each arrival up to --jitter-ms late, other router draws and other "
+                             "random replica ids (Serve's; a live run's are not recorded): how far each cell "
+                             "moves under what the live run does not fix (it is one such draw)")
+    parser.add_argument("--jitter-ms", type=float, default=10.0, help="the ensemble's send jitter (default 10)")
+    args = parser.parse_args(argv)
+    live = json.loads(open(args.live_json).read())
+    live_rows = [r for r in live["rows"] if not args.variants or r["variant"] in args.variants]
+    variants = args.variants or sorted({r["variant"] for r in live_rows})
+    cpus = (live["metadata"].get("machine") or {}).get("cpu_count")
+    sim_rows = replay_fleet_live(live["metadata"]["settings"], variants, starts=live_starts(live_rows), cpu_count=cpus)
+    agreement = agreement_with_live(live_rows, sim_rows)
+    common.print_table(agreement["rows"], floatfmt=".0f",
+                       title=f"fleet_live replayed ({args.live_json}): live vs sim loads and TTFT ms, within 10% / 25%")
+    for r in agreement["rankings"]:
+        if not r["same"]:
+            print(f"  disagrees: {r['segment']} {r['metric']}: live {r['live']}, sim {r['sim']}")
+    if args.quantiles:
+        print()
+        common.print_table(ttft_quantiles(live_rows, sim_rows), title="TTFT quantiles, ms live/sim (ks: KS distance)")
+    if args.ensemble > 0:
+        members = [agreement_with_live(live_rows, replay_fleet_live(
+            live["metadata"]["settings"], variants, starts=live_starts(live_rows), jitter_s=args.jitter_ms / 1000,
+            seed=1 + k, cpu_count=cpus)) for k in range(args.ensemble)]
+        print()
+        common.print_table(ensemble_rows(members), title=f"{args.ensemble} replays, arrivals up to {args.jitter_ms:g} ms "
+                           "late, random replica ids: live | the replays' min / median / max; ok: replays within "
+                           "tolerance")
+        shaky = ranking_votes(members)
+        if shaky:
+            print("  rankings the replays split on (replays with the live order): "
+                  + "; ".join(f"{r['segment']} {r['metric']} {r['pair']} {r['votes']}" for r in shaky))
+        print("  agreement of the replays: " + "; ".join(m["summary"].split(" (")[0] + f", {m['pairs_ok']}/{m['pairs']}"
+                                                         for m in members))
+    print(f"\n{agreement['summary']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"sim_rows": sim_rows, "agreement": agreement}, f, indent=1)
+    return agreement
+
+
+if __name__ == "__main__":
+    main()

@@ -6,18 +6,24 @@ each segment's requests exactly as ``fleet_live.segment_trace`` does from the ru
 and replays every variant on its own simulated fleet, segment after segment (pools, host
 tiers, views and routers carry over, as on the live deployment):
 
-- ``affinity`` on a fresh deployment: before traffic each replica warm-starts
-  (``LoRAWorker._warm_up``) with what the directory's plan, which places every registered
-  adapter, would put on it (``scale_events.warm_start_at_deploy``); ``pow2`` and ``hash`` run
-  after ``reset_adapters`` (every pool and host tier empty) and ``multiplexed`` on its own fresh
-  app: those start cold;
+- ``affinity`` runs first, on the fresh deployment: its replicas come up one at a time, each
+  warm-starting what the directory's plan would give it then, the ones already up reading ahead
+  what each later plan change gives them (``scale_events.warm_start_at_deploy``, which says what the
+  live run does not record); ``pow2``, ``hash`` and ``multiplexed`` run after
+  ``reset_adapters(follow_plan=False)`` (``Fleet._reset_pools``: every pool and host tier empty, the
+  plan no longer followed): they start cold;
 - the modelled ranks are the ones the live replicas are given (``fleet_live.adapter_ranks``:
   the seed's draw, the same for every segment);
+- the affinity router starts from the live router's priors (``RoutingSettings``' defaults: a 0.5 s
+  request, a 2 ms copy, a 50 ms read), not the cost model's, until replicas report measured times;
+- a worker reads at most ``read_threads`` adapters from disk at once (its to_thread executor's threads,
+  from the live machine's CPU count), the rest wait for a thread;
 - the host tier never evicts: the live workers keep 1 GiB of the demo's adapters, a few kB
   each, whatever rank the cost model prices them at;
-- router views lag as live: the affinity router's directory feed by the workers' 20 ms event
-  flush (``deployments/worker.py`` ``FLUSH_INTERVAL_S``) and one long poll, multiplexing's model
-  sets by Serve's 100 ms push (``PUSH_MULTIPLEXED_MODEL_IDS_INTERVAL_S``);
+- router views lag as live: the directory hears the workers' events after their 20 ms flush
+  (``deployments/worker.py`` ``FLUSH_INTERVAL_S``), and the affinity router polls it as its feed
+  thread does (``feed.PollPacing``: once per 16 routed requests, at least 0.2 s apart, or after 5 s);
+  multiplexing's model sets arrive by Serve's 100 ms push (``PUSH_MULTIPLEXED_MODEL_IDS_INTERVAL_S``);
 - segments start at the live run's offsets when given (``starts``), else back to back: the
   next one ``SEGMENT_GAP_S`` after the previous one's last request finished (the replay client
   starts sending 0.5 s after it is called, once the previous segment has returned).
@@ -32,8 +38,11 @@ from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
+from routing.settings import DEFAULT_SETTINGS
+
 from ..fleet_live import Segment, adapter_name, adapter_ranks, segment_trace
 from .config import SimConfig, SimRequest
+from ..traces import Trace
 from .costs import CostModel
 from .fleet import Simulator
 from .fleet_agreement import agreement_with_live
@@ -44,6 +53,10 @@ __all__ = ["agreement_with_live", "live_starts", "replay_fleet_live", "replay_va
 VARIANT_ROUTER = {"affinity": "affinity", "multiplexed": "multiplex", "pow2": "pow2", "hash": "hash"}
 LIVE_LAG_S = {"affinity": 0.02, "multiplexed": 0.1}  # pool change -> the router's view (see the docstring)
 WARM_STARTED = ("affinity",)  # deployed fresh: its workers' warm start runs; the others start empty
+ADAPTER_NAMES = "demo-{}"  # fleet_live.adapter_name: the plan orders equal needs by name, so the names must match
+# the live router's priors until replicas report measured times: fleet_live sets no routing setting, so the
+# router builds DEFAULT_SETTINGS (a test checks fleet_live's router kwargs stay empty)
+LIVE_PRIORS = DEFAULT_SETTINGS
 SEGMENT_GAP_S = 0.5  # benchmarks.fleet_live.Fleet.replay: the client starts sending 0.5 s after the call
 
 
@@ -84,21 +97,48 @@ def _row(variant: str, seg: Segment, reqs: list[SimRequest], t0: float) -> dict:
             "disk_reads": sum(1 for r in reqs if r.disk),
             "ttft_p50_ms": 1000 * _q(ttft, 50), "ttft_p99_ms": 1000 * _q(ttft, 99),
             "e2e_p50_ms": 1000 * _q(e2e, 50), "e2e_p99_ms": 1000 * _q(e2e, 99),
-            "start_s": round(t0, 3), "end_s": round(max(r.t_done for r in reqs), 3)}
+            "start_s": round(t0, 3), "end_s": round(max(r.t_done for r in reqs), 3),
+            "ttft_s": [round(x, 4) for x in ttft]}
 
 
-def replay_variant(settings: Mapping, variant: str, starts: Optional[Mapping[str, float]] = None) -> list[dict]:
-    """One variant's segments on one simulated fleet; a row per segment, the warm-up's included."""
+def jittered(trace: Trace, jitter_s: float, rng: np.random.Generator) -> Trace:
+    """``trace`` with each arrival late by up to ``jitter_s`` (uniform), order kept: the live client sends
+    each request when its event loop gets to it, a few ms late on a busy machine. Only for ensembles
+    (``fleet_agreement --ensemble``): how far the fleet's outcome moves under noise that small."""
+    late = trace.arrivals + rng.uniform(0.0, jitter_s, len(trace.arrivals))
+    return replace(trace, arrivals=np.maximum.accumulate(late))
+
+
+def read_threads(cpu_count: Optional[int]) -> Optional[int]:
+    """The live worker's disk reads at once: ``asyncio.to_thread`` runs them on the event loop's default
+    executor, ``min(32, CPUs + 4)`` threads (``concurrent.futures.ThreadPoolExecutor``) on the machine the
+    run had; None (no limit) when the run does not say."""
+    return None if not cpu_count else min(32, int(cpu_count) + 4)
+
+
+def replay_variant(settings: Mapping, variant: str, starts: Optional[Mapping[str, float]] = None,
+                   jitter_s: float = 0.0, seed: Optional[int] = None, cpu_count: Optional[int] = None) -> list[dict]:
+    """One variant's segments on one simulated fleet; a row per segment, the warm-up's included.
+    ``jitter_s`` and ``seed`` (the routers' draws, the jitter's and Serve's random replica ids; default the run's
+    seed and ids replica-0000...): see ``jittered``. ``cpu_count``: the live machine's (``read_threads``)."""
     if variant not in VARIANT_ROUTER:
         raise ValueError(f"unknown variant {variant!r}; choose one of {sorted(VARIANT_ROUTER)}")
     args, costs = _args(settings), costs_of(settings)
     segments = segments_of(settings)
     traces = [segment_trace(seg, args, costs) for seg in segments]
+    seed = int(args.seed) if seed is None else seed
+    if jitter_s > 0:
+        rng = np.random.default_rng(seed + 1_000_003)
+        traces = [jittered(trace, jitter_s, rng) for trace in traces]
     ranks = adapter_ranks(args, costs)
     first = replace(traces[0], ranks=np.array([ranks[adapter_name(i)] for i in range(args.adapters)]))
     config = SimConfig(replicas=args.replicas, router=VARIANT_ROUTER[variant], slots=args.slots,
-                       max_batch=args.rows, lag_s=LIVE_LAG_S.get(variant, 0.1), seed=int(args.seed), costs=costs,
-                       warmup_fraction=0.0)
+                       max_batch=args.rows, lag_s=LIVE_LAG_S.get(variant, 0.1), seed=seed, costs=costs,
+                       warmup_fraction=0.0, adapter_names=ADAPTER_NAMES, paced_feed=True,
+                       read_threads=read_threads(cpu_count),
+                       prior_load_s=(LIVE_PRIORS.host_load_s, LIVE_PRIORS.disk_load_s),
+                       prior_request_s=LIVE_PRIORS.default_request_s,
+                       replica_id_seed=None if jitter_s <= 0 and seed == int(args.seed) else seed)
     sim = Simulator(first, config)
     if variant in WARM_STARTED:
         warm_start_at_deploy(sim)
@@ -113,12 +153,16 @@ def replay_variant(settings: Mapping, variant: str, starts: Optional[Mapping[str
 
 
 def replay_fleet_live(settings: dict, variants: list[str],
-                      starts: Optional[Mapping[str, Mapping[str, float]]] = None) -> list[dict]:
+                      starts: Optional[Mapping[str, Mapping[str, float]]] = None,
+                      jitter_s: float = 0.0, seed: Optional[int] = None,
+                      cpu_count: Optional[int] = None) -> list[dict]:
     """Every variant's measured segments, simulated: rows ``{variant, segment, loads, ttft_p50_ms,
     ttft_p99_ms, e2e_p50_ms, e2e_p99_ms, ...}`` as ``fleet_live`` reports them. ``starts``: variant ->
-    segment -> live ``start_s`` (``live_starts``); without it, segments run back to back."""
+    segment -> live ``start_s`` (``live_starts``); without it, segments run back to back. ``jitter_s``,
+    ``seed``, ``cpu_count``: as ``replay_variant`` (jitter and seed for ensembles; the defaults replay the run
+    as it was sent; pass the live machine's CPU count: it bounds the workers' concurrent disk reads)."""
     out = []
     for variant in variants:
-        rows = replay_variant(settings, variant, (starts or {}).get(variant))
+        rows = replay_variant(settings, variant, (starts or {}).get(variant), jitter_s, seed, cpu_count)
         out += [{k: v for k, v in r.items() if k != "measured"} for r in rows if r["measured"]]
     return out

@@ -39,6 +39,7 @@ from engine.scheduler import Scheduler
 from pool.memory_pool import LoRAMemoryPool, batch_order
 from pool.shapes import LoRAModelShape
 from routing.load_timings import LoadTimings
+from routing.prefetch import prefetches
 
 from .config import SimConfig, SimRequest
 from .costs import CostModel
@@ -111,6 +112,9 @@ class SimReplica:
                                                       max_num_batched_tokens=self.costs.token_budget)
         self.host = HostTier(self.costs.host_cache_bytes)
         self.reading: dict[str, list[SimRequest]] = {}   # uid -> requests waiting for its disk read
+        self.read_threads: Optional[int] = config.read_threads  # reads at once (None: no limit)
+        self._reads_running = 0
+        self._reads_queued: deque[tuple[str, float]] = deque()  # (uid, asked at) waiting for a thread
         self.planned: set[str] = set()     # what the plan puts here, as this replica last heard it
         self.inflight: Counter = Counter()               # uid -> requests submitted to the engine, not finished
         self.models: OrderedDict[str, None] = OrderedDict()  # multiplexer's loaded models, LRU first
@@ -154,36 +158,71 @@ class SimReplica:
             self.reading[uid] = [req]
             self._read(uid, req)
 
-    def follow_plan(self, planned: list[str], kept: Optional[list[str]] = None) -> None:
-        """As a live worker with ``replicas_follow_plan``: the pool evicts last the adapters the plan gives a
-        slot here (``kept``; None: all planned), and what the plan newly puts here is read into the host tier
-        ahead of traffic (off the step). The live worker also loads it into a free slot; at a full pool, the
-        usual case, it does not."""
+    def follow_plan(self, planned: list[str], kept: Optional[list[str]] = None, at_once: bool = False) -> None:
+        """As a live worker with ``replicas_follow_plan`` (``LoRAWorker._plan_changed``): the pool evicts last
+        the adapters the plan gives a slot here (``kept``; None: all planned), and what the plan newly puts
+        here (``routing.prefetch.prefetches``: not planned before, not resident, not staged) is read into the
+        host tier ahead of traffic, off the step.
+
+        ``at_once``: the reads are done before traffic (a deploy: no simulated time passes), and, as live,
+        the first of them go into free slots too (the worker's one-token warm request). During traffic the
+        reads take their time and stay in the host tier: the live worker would also copy one into a free
+        slot, but a pool under traffic has none (the difference is left out)."""
         self.pool.keep(planned if kept is None else kept)
-        for uid in planned:
-            if uid not in self.planned and uid not in self.reading and not self.pool.is_resident(uid) \
-                    and not self.host.has(uid):
-                self.reading[uid] = []
-                self._read(uid, None)
+        todo = prefetches(planned, self.planned, resident={u for u in planned if self.pool.is_resident(u)},
+                          staged={u for u in planned if u in self.host.entries or u in self.reading},
+                          free_slots=self.pool.snapshot().free_slots if at_once else 0)
+        for item in todo:
+            if at_once:
+                self.warm(item.name, into_slot=item.into_slot)
+            elif item.name not in self.reading and item.name not in self.host.entries:
+                self.reading[item.name] = []
+                self._read(item.name, None)
         self.planned = set(planned)
 
+    def warm(self, uid: str, into_slot: bool) -> None:
+        """Before traffic (a warm start or a deploy-time prefetch): read ``uid`` into the host tier and, with
+        ``into_slot``, copy it into a slot, at once; timed as the live worker times them (its load prices)."""
+        rank = self.ranks[uid]
+        if uid not in self.host.entries:
+            self.timings.observe_disk(self.costs.disk_read_s(rank))
+            self.host.put(uid, self.costs.adapter_bytes(rank))
+        if into_slot and not self.pool.is_resident(uid):
+            self.pool.prepare_lora_batch({uid})
+            self.pool.release_batch()
+            self.copies += 1
+            self.copy_s += self.costs.host_copy_s(rank)
+
     def _read(self, uid: str, req: Optional[SimRequest]) -> None:
-        """A disk read into the host tier, off the engine thread; its waiters are submitted when it ends."""
+        """A disk read into the host tier, off the engine thread; its waiters are submitted when it ends.
+        The live worker reads in ``asyncio.to_thread``, on its event loop's default executor: with every
+        thread busy reading, the next read waits for one (``read_threads``)."""
         seconds = self.costs.disk_read_s(self.ranks[uid])
         self.disk_reads += 1
         self.disk_s += seconds
         if req is not None:
             req.disk, req.load_s = True, req.load_s + seconds
-        self.loop.at(self.loop.now + seconds, lambda: self._read_done(uid))
+        if self.read_threads is not None and self._reads_running >= self.read_threads:
+            self._reads_queued.append((uid, self.loop.now))
+            return
+        self._start_read(uid, self.loop.now)
 
-    def _read_done(self, uid: str) -> None:
-        self.timings.observe_disk(self.costs.disk_read_s(self.ranks[uid]))
+    def _start_read(self, uid: str, asked: float) -> None:
+        self._reads_running += 1
+        seconds = self.costs.disk_read_s(self.ranks[uid])
+        self.loop.at(self.loop.now + seconds, lambda: self._read_done(uid, asked))
+
+    def _read_done(self, uid: str, asked: float) -> None:
+        self._reads_running -= 1
+        self.timings.observe_disk(self.loop.now - asked)  # as the worker times it: the wait for a thread too
         self.host.put(uid, self.costs.adapter_bytes(self.ranks[uid]))
         waiters = self.reading.pop(uid, ())
         for req in waiters:
             self.submit(req)
         if not waiters:  # a background re-read: the requeued requests may go now
             self._wake()
+        if self._reads_queued:
+            self._start_read(*self._reads_queued.popleft())
 
     def heartbeat(self) -> dict:
         """What the live worker's heartbeat tells the directory besides busy seconds

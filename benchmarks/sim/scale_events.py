@@ -22,9 +22,12 @@ steady state before it.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Optional
 
+from routing.directory import AdapterDirectory
+from routing.plan import planned_on
 from routing.warm_start import AdapterPlacement, WarmStartPlan, rehome_targets, warm_start_plan
 
 from .fleet import SimReplica, Simulator
@@ -84,31 +87,66 @@ def add_replica(sim: Simulator, warm: bool, joins: list[Join]) -> SimReplica:
     return replica
 
 
-def warm_start_at_deploy(sim: Simulator) -> list[WarmStartPlan]:
-    """Every replica's warm start before any traffic, as ``LoRAWorker._warm_up`` at a deploy: the
-    directory has planned every registered adapter (``update_plan(registered=...)``) and each
-    replica loads ``warm_start_plan`` over what the plan would place on it (into slots, the rest
-    into its host tier). No simulated time passes: Serve routes to a replica once this is done.
-    Without a directory (a router with no view) there is no plan and nothing is loaded."""
+def warm_start_at_deploy(sim: Simulator, order: Optional[Sequence[int]] = None) -> list[WarmStartPlan]:
+    """A fresh deployment as the live one comes up: the replicas start one at a time (Serve starts
+    replica processes a few at a time; 16 took 200 s on two cores in ``fleet_live``), and each, as
+    ``LoRAWorker.__init__`` runs:
+
+    1. reports its empty pool (its report loop starts before its warm-up), so the directory knows it;
+    2. warm-starts (``LoRAWorker._warm_up`` via ``AdapterDirectoryActor.warm_start_plan``): with a plan
+       in place, what the directory's trial plan would give it (``planned_for``), else the rendezvous
+       rule over the adapters held so far (nothing, for the first replica: no plan has been made yet);
+       ``warm_start_plan`` puts the first ``slots - 1`` in slots, the next ``slots`` in its host tier;
+    3. reports that pool; the directory's next plan tick (``update_plan``, once a second, seconds
+       between two joins) places adapters on it, moving placements off the earlier replicas;
+    4. the replicas already warm follow that plan change (``LoRAWorker._plan_changed``: read ahead what
+       it newly gives them, into a free slot first, evict the plan's adapters last); the one joining
+       only notes its placements if its warm-up is still running (its reads take seconds: no read-ahead
+       until it ends), and follows the change like the others if it had nothing to read (the first
+       replica: it is up within ~0.1 s, before the tick, and then reads ahead all the tick gives it).
+
+    Traffic starts once the last replica is up (Serve's deploy returns then). No simulated time passes:
+    no traffic, so no demand, and the plan's timers do not move it. Not known from the live run: the
+    order the replicas came up in (taken here as their index order), and whether the first replica
+    asked for its warm start before the directory's first plan tick (taken as before: ~20 ms after its
+    first report, against a 1 s tick). Without a directory (a router with no view) nothing is loaded."""
     if sim.directory is None or sim.feed is None:
         return []
-    cfg, costs = sim.config, sim.config.costs
-    sim.directory.update_plan(registered=sim.feed.registered)
-    if not sim.directory.plan.holders:
-        return []
-    placements = [AdapterPlacement(uid, 0, len(sim.directory.holders.get(uid, ()))) for uid in sim.feed.registered]
-    plans = []
+    cfg, d = sim.config, sim.directory
     for i in sim.routable:
+        d.forget_replica(sim.replicas[i].rid)  # none has reported yet
+    plans, up = [], []
+    for i in (sim.routable if order is None else order):
         replica = sim.replicas[i]
-        planned = sim.directory.planned_for(replica.rid, cfg.slots)
-        plan = warm_start_plan(replica.rid, sim.ids, placements, cfg.slots, cfg.slots, planned)
-        if plan.slots:
-            replica.pool.prepare_lora_batch(set(plan.slots))
-            replica.pool.release_batch()
-        for uid in (*plan.slots, *plan.host):
-            replica.host.put(uid, costs.adapter_bytes(sim.ranks[uid]))
+        d.apply_snapshot(replica.pool.snapshot())
+        planned = d.planned_for(replica.rid, cfg.slots) if d.plan.holders else None
+        placements = [AdapterPlacement(uid, 0, len(d.holders.get(uid, ()))) for uid in sim.feed.registered]
+        plan = warm_start_plan(replica.rid, list(d.replicas), placements, cfg.slots, cfg.slots, planned)
+        for uid in plan.slots:
+            replica.warm(uid, into_slot=True)
+        for uid in plan.host:
+            replica.warm(uid, into_slot=False)
+        d.apply_snapshot(replica.pool.snapshot(), **replica.heartbeat())
+        warming = bool(plan.slots or plan.host)
+        if not warming:  # nothing to read: up before the next plan tick, which it follows like the others
+            replica.follow_plan(planned_on(d.plan, replica.rid), _slotted(d, replica.rid), at_once=True)
+            up.append(replica)
+        d.update_plan(registered=sim.feed.registered)
+        for other in up:
+            other.follow_plan(planned_on(d.plan, other.rid), _slotted(d, other.rid), at_once=True)
+            d.apply_snapshot(other.pool.snapshot(), **other.heartbeat())
+        if warming:  # its reads take seconds: the tick's reply comes during its warm-up (noted, not read ahead)
+            replica.planned = set(planned_on(d.plan, replica.rid))
+            replica.pool.keep(_slotted(d, replica.rid))
+            up.append(replica)
         plans.append(plan)
+    sim.followed_plan(d.plan.version)
     return plans
+
+
+def _slotted(directory: AdapterDirectory, replica_id: str) -> list[str]:
+    """What the plan gives a slot on ``replica_id`` (the worker keeps those: ``LoRAWorker._plan_changed``)."""
+    return list(directory.plan.slotted.get(replica_id, ()))
 
 
 def remove_replica(sim: Simulator, warm: bool) -> SimReplica:
