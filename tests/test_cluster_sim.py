@@ -48,8 +48,15 @@ def test_one_replica_one_request_at_a_time_matches_the_pool_benchmarks_lru(route
     trace = dataclasses.replace(base, arrivals=np.arange(n) * 100.0)
     result = run_sim(trace, SimConfig(replicas=1, router=router, slots=slots, warmup_fraction=0.0))
     misses = replay_online(trace.uids(), slots, "lru")
-    assert result.loads == result.loads_total == misses
-    assert result.hit_ratio == pytest.approx(1 - misses / n)
+    assert result.loads == result.loads_total
+    if router == "affinity" and slots > 1:
+        # its replica follows the plan: the adapters the plan gives slots (the most popular over
+        # popularity_tau_s) are evicted last, LRU among the rest; on this nearly uniform popularity that is
+        # LRU within a few loads (a static top-k is what wins under skew)
+        assert misses * 0.97 <= result.loads <= misses * 1.03
+    else:
+        assert result.loads == misses
+        assert result.hit_ratio == pytest.approx(1 - misses / n)
     assert result.imbalance == 1.0
 
 
