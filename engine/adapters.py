@@ -143,9 +143,10 @@ class ReplicaAdapters:
 
         False when this replica does not hold ``uid`` (never registered here, or retired already).
         """
-        if uid not in self.store:
+        try:
+            name = self.store.record(uid).name
+        except AdapterNotFoundError:  # never registered here, or retired meanwhile
             return False
-        name = self.store.record(uid).name
         with self._cond:
             if self._uids.get(name) == uid:
                 del self._uids[name]
