@@ -75,12 +75,13 @@ class StepLoop:
                 while not self._stopped and not len(self.scheduler) and not self._boundary_work:
                     self._lock.wait()
                 work, self._boundary_work = self._boundary_work, []
-                if self._stopped:  # changes handed over before the stop still run: their callers wait
-                    with self._step_lock:
-                        self._run_boundary_work(work)
-                    return
-                if not work and self.adapters.staging and not self.scheduler.running:
+                stopped = self._stopped
+                if not work and not stopped and self.adapters.staging and not self.scheduler.running:
                     self._lock.wait(STAGING_POLL_S)  # the head waits for a file read: do not spin
+            if stopped:  # changes handed over before the stop still run (their callers wait); no step does
+                with self._step_lock:
+                    self._run_boundary_work(work)
+                return
             try:
                 with self._step_lock:
                     self._run_boundary_work(work)
