@@ -147,7 +147,7 @@ def engine_batch_logits(engine, batch: list[tuple[Optional[str], list[int]]]) ->
 
     alloc = engine.cache.allocator
     with engine._step_lock:
-        uids = [engine.registry.resolve(name) for name, _ in batch]
+        uids = [engine.adapters.resolve(name) for name, _ in batch]
         slots = engine.pool.prepare_lora_batch(set(uids))
         tables = [[alloc.allocate() for _ in range(alloc.blocks_for(len(ids)))] for _, ids in batch]
         try:

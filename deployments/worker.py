@@ -143,8 +143,7 @@ class LoRAWorker:
         await self._apply_pins()  # the plan's pins: the same rule, over the same replica set
         for name in plan["slots"]:
             if name not in plan["pins"] and name in self.registry.entries:
-                await self._ensure_adapter(name)
-                await self.engine.generate(GenerateRequest(adapter=name, prompt="warm", max_tokens=1))
+                await self._prewarm(name, into_slot=True)
         for name in plan["host"]:
             if name in self.registry.entries:
                 await self._ensure_adapter(name)
@@ -212,7 +211,7 @@ class LoRAWorker:
         if not self.engine.is_resident(uid) and not self.engine.host_cached(uid):
             # evicted from the host tier too: re-read it here, off the engine thread, so the step
             # that loads it into a slot does a memory copy instead of a file read (of what was registered)
-            await asyncio.to_thread(check_unchanged, self.engine.store.record(uid), entry.content)
+            await asyncio.to_thread(check_unchanged, self.engine.adapter_record(uid), entry.content)
             with self.load_timings.disk_read():
                 await asyncio.to_thread(self.engine.fetch_to_host, uid)
 
@@ -240,19 +239,12 @@ class LoRAWorker:
         return {"rank": record.rank, "bytes": record.nbytes, "folder": str(record.folder),
                 "content": await asyncio.to_thread(content_version, record)}
 
-    async def prewarm_adapter(self, target: ReplicaTarget, name: str, into_slot: bool = False) -> dict:
-        """Bring a registered adapter into this replica's host tier (and a slot) before traffic reaches it."""
-        if target.target_replica != self.replica_id:
-            raise RuntimeError(f"prewarm for {target.target_replica} reached replica {self.replica_id}")
-        await self._prewarm(name, into_slot)
-        uid = self.engine.current_uid(name)
-        return {"replica": self.replica_id, "resident": self.engine.is_resident(uid),
-                "host_cached": self.engine.host_cached(uid)}
-
     async def _prewarm(self, name: str, into_slot: bool) -> None:
+        """Bring a registered adapter into the host tier and, if asked, into a slot (between two engine
+        steps, with no request: a warm-up must not queue behind traffic or count as one)."""
         await self._ensure_adapter(name)
-        if into_slot:  # a one-token request loads it the way traffic would
-            await self.engine.generate(GenerateRequest(adapter=name, prompt="warm", max_tokens=1))
+        if into_slot:
+            await asyncio.to_thread(self.engine.load_into_slot, self.registry.entries[name].uid)
 
     async def _prewarm_planned(self, name: str, uid: str, into_slot: bool) -> None:
         """A rollout's pre-warm plan names this replica (deployments/versions.py): warm it, best effort."""

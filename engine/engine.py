@@ -1,57 +1,50 @@
 """LoRAEngine: base model + LoRA pool + scheduler, generating on a background thread.
 
-One thread owns the model and steps the batch (prefill for new requests and decode for
-running ones in one forward); callers submit requests from any thread or event loop and
-receive tokens through a sink. Adapter registration reads and validates files on the
-caller's thread, so unrelated adapters load concurrently and never stall generation.
-Around the loop: ``AdapterRegistry`` (names, in-flight counts, drain), ``InputProcessor``
-(validation, tokenization), ``callers`` (async and blocking bridges), ``live_settings``.
+One thread owns the model and the pool and steps the batch (prefill for new requests and
+decode for running ones in one forward); callers submit requests from any thread or event
+loop and receive tokens through a sink. This file builds the parts and is the engine's API;
+``step_loop`` runs the thread, ``adapters`` is every adapter's life on the replica (register,
+stage, ``load_into_slot``, retire), ``read_api`` what the worker reads, ``InputProcessor``
+checks requests, ``callers`` bridges async and blocking callers, ``live_settings`` changes
+settings without a restart.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 from typing import AsyncIterator, Callable, Iterable, Optional
 
-import torch
-
-from pool.errors import AdapterNotStagedError, LoRAFleetError, PoolError
 from pool.memory_pool import LoRAMemoryPool
 from pool.shapes import LoRAModelShape
 from pool.store import AdapterRecord, AdapterStore
 
 from . import callers
 from .activation_profile import activation_reserve_bytes
-from .adapter_manager import AdapterManager
-from .adapter_staging import AdapterStaging
-from .adapter_registry import AdapterRegistry
+from .adapters import ReplicaAdapters
+from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
-from .fast_paths import choose_fast_paths
 from .errors import EngineOverloadedError, EngineShutdownError, EngineUnhealthyError, RequestCancelledError
+from .fast_paths import choose_fast_paths
+from .grammar import GrammarCompiler
 from .input_processor import InputProcessor
-from .block_manager import BlockManager
 from .kv_setup import build_kv_cache, fit_max_model_len, token_budget
 from .live_settings import apply_live_settings
+from .logprobs import TokenTexts
 from .lora_layers import LoRABatchContext, attach_lora
 from .model_loader import load_base_model
-from .model_runner import ModelRunner, SeqInput
-from .grammar import GrammarCompiler
-from .logprobs import TokenTexts, prompt_logprobs, step_logprobs
-from .output_processor import append_token, eos_token_ids, next_tokens
-from .request import GenerateRequest, GenerateResult, TokenDelta
+from .model_runner import ModelRunner
+from .output_processor import eos_token_ids
 from .read_api import EngineReadAPI
-from .sample_group import SampleGroup, child_of, fork_ready, share_prompt_blocks
+from .request import GenerateRequest, GenerateResult, TokenDelta
+from .sample_group import SampleGroup
 from .scheduler import Scheduler
 from .sequence import Sequence, SinkItem
+from .step_loop import StepLoop
 from .tuning import EngineTuning
 
-log = logging.getLogger(__name__)
-STAGING_POLL_S = 0.01
 
-
-class LoRAEngine(EngineReadAPI):
+class LoRAEngine(StepLoop, EngineReadAPI):
     def __init__(self, config: EngineConfig, model=None, tokenizer=None, tuning: Optional[EngineTuning] = None):
         """``tuning``: which fast paths to try (each is checked against torch here, before anything is served)."""
         self.config = config
@@ -71,9 +64,10 @@ class LoRAEngine(EngineReadAPI):
                                   allowed_roots=config.adapter_roots, hub_orgs=config.hub_orgs,
                                   object_store_prefixes=config.object_store_prefixes,
                                   adapter_cache_dir=config.adapter_cache_dir)
-        self.staging = AdapterStaging(self.store, on_failure=lambda uid, exc: self._cancel(uid, exc),
-                                      on_done=self._wake)
-        self.pool = LoRAMemoryPool(self.shape, config.max_loras_per_batch, config.max_lora_rank, self.staging.slot_weights,
+        # the pool's slot loads read weights through the adapters object (built below, once the
+        # scheduler exists): a memory copy from the host tier, never a file read
+        self.pool = LoRAMemoryPool(self.shape, config.max_loras_per_batch, config.max_lora_rank,
+                                   lambda uid: self.adapters.slot_weights(uid),
                                    eviction_policy=config.eviction_policy, device=self.device, dtype=self.dtype,
                                    replica_id=config.replica_id)
         self.context = LoRABatchContext()
@@ -104,58 +98,53 @@ class LoRAEngine(EngineReadAPI):
         self.cancelled = 0            # sequences dropped because their caller went away
         self.max_steps_after_cancel = 0  # the most steps any sequence ran after its cancel (the goal: <= 1)
         self.failed_steps_in_row = 0  # consecutive failed steps; MAX_FAILED_STEPS makes the replica unhealthy
-        self._step_lock = threading.Lock()  # one step, or one unload, at a time
-        self.registry = AdapterRegistry()
-        self.adapter_manager = AdapterManager(self.store, self.pool, self.registry, step_lock=self._step_lock,
-                                       running_uids=self.scheduler.running_uids, cancel=self._cancel)
-        self.inputs = InputProcessor(tokenizer, mc.vocab_size, self.max_model_len, config, self.registry)
+        self._step_lock = threading.Lock()  # held by the engine thread for a step and the pool changes before it
+        self._boundary_work: list = []      # pool changes other threads handed over (``at_step_boundary``)
+        self.adapters = ReplicaAdapters(self.store, self.pool, at_step_boundary=self.at_step_boundary,
+                                        running_uids=self.scheduler.running_uids, cancel=self._cancel_uid,
+                                        wake=self._wake)
+        self.inputs = InputProcessor(tokenizer, mc.vocab_size, self.max_model_len, config, self.adapters)
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name=f"lorafleet-engine-{config.replica_id}", daemon=True)
         self._thread.start()
 
-    # ------------------------------------------------------------------ adapters
+    # ------------------------------------------------------------------ adapters (``ReplicaAdapters``)
 
     def register_adapter(self, name: str, source: str, *, revision: Optional[str] = None,
                          uid: Optional[str] = None, pinned: bool = False) -> AdapterRecord:
-        """Read, validate and host-cache an adapter under ``name`` (see ``AdapterManager.register``)."""
-        return self.adapter_manager.register(name, source, revision=revision, uid=uid, pinned=pinned)
+        """Read, validate and host-cache an adapter under ``name`` (``ReplicaAdapters.register``)."""
+        return self.adapters.register(name, source, revision=revision, uid=uid, pinned=pinned)
+
+    def load_into_slot(self, uid: str) -> int:
+        """Load a registered adapter into a slot between two steps, with no request; returns the slot."""
+        return self.adapters.load_into_slot(uid)
 
     def unregister_adapter(self, name: str, timeout_s: float = 30.0) -> str:
         """Refuse new requests for ``name`` at once, drain its requests, then unload it. Returns the uid."""
-        return self.adapter_manager.unregister(name, timeout_s)
+        return self.adapters.unregister(name, timeout_s)
 
     def unregister_uid(self, uid: str, timeout_s: float = 30.0) -> bool:
         """Retire the registration ``uid`` (drain, then unload); a newer uid of the same name is untouched."""
-        return self.adapter_manager.unregister_uid(uid, timeout_s)
+        return self.adapters.unregister_uid(uid, timeout_s)
 
     def pin_adapter(self, name: str) -> int:
-        return self.adapter_manager.pin(name)
+        return self.adapters.pin(name)
 
     def unpin_adapter(self, name: str) -> bool:
-        return self.adapter_manager.unpin(name)
+        return self.adapters.unpin(name)
 
     def keep_adapters(self, uids: Iterable[str]) -> None:
         """Evict these last (``LoRAMemoryPool.keep``): the placement plan's adapters on this replica."""
-        self.pool.keep(uids)
+        self.adapters.keep(uids)
 
     def validate_adapter_files(self, uid: str, source: str, *, name: str,
                                revision: Optional[str] = None) -> AdapterRecord:
         """Read and validate an adapter as registration would, keeping nothing."""
-        return self.adapter_manager.validate_files(uid, source, name=name, revision=revision)
+        return self.adapters.validate_files(uid, source, name=name, revision=revision)
 
     def fetch_to_host(self, uid: str) -> None:
         """Bring a registered adapter into the host tier (a file read), so its slot load is a memory copy."""
-        self.store.fetch(uid)
-
-    def _cancel(self, uid: str, error: Exception) -> None:
-        """Fail ``uid``'s waiting requests now; running ones end at the next step."""
-        with self._lock:
-            for seq in self.scheduler.drop_waiting(lambda s: s.uid == uid):
-                self._end(seq, error)
-            for seq in self.scheduler.running:
-                if seq.uid == uid:
-                    seq.cancel_reason, seq.tokens_at_cancel = error, len(seq.output_ids)
-            self._lock.notify_all()
+        self.adapters.fetch_to_host(uid)
 
     # ------------------------------------------------------------------ requests
 
@@ -187,7 +176,7 @@ class LoRAEngine(EngineReadAPI):
             seq.group = group
             group.members.append(seq)
         if uid is not None and not self.pool.is_resident(uid):
-            self.staging.stage(uid)  # a file read, if the host tier dropped it: here, never on the engine thread
+            self.adapters.stage(uid)  # a file read, if the host tier dropped it: here, never on the engine thread
         with self._lock:
             if self._stopped:
                 raise EngineShutdownError("the engine is shutting down")
@@ -196,7 +185,7 @@ class LoRAEngine(EngineReadAPI):
             if len(self.scheduler.waiting) >= self.config.max_waiting_requests:
                 raise EngineOverloadedError(f"{len(self.scheduler.waiting)} requests are waiting on this replica "
                                             f"(limit {self.config.max_waiting_requests}); retry later")
-            self.registry.acquire(request.adapter, uid)
+            self.adapters.acquire(request.adapter, uid)
             self.scheduler.add(seq)
             self._lock.notify_all()
         return seq
@@ -249,144 +238,3 @@ class LoRAEngine(EngineReadAPI):
             seq.sink(error)
         if not self._thread.is_alive():
             self.cache.release()  # the KV cache is most of a replica's GPU memory: free it now, not at the next GC
-
-    # ------------------------------------------------------------------ the loop
-
-    def _loop(self) -> None:
-        while True:
-            with self._lock:
-                while not self._stopped and not len(self.scheduler):
-                    self._lock.wait()
-                if self._stopped:
-                    return
-                if self.staging.busy and not self.scheduler.running:
-                    self._lock.wait(STAGING_POLL_S)  # the head waits for a file read: do not spin
-            try:
-                with self._step_lock:
-                    self._step()
-                self.failed_steps_in_row = 0
-            except Exception as exc:  # a failed forward must not kill the replica: fail that batch
-                self.failed_steps_in_row += 1
-                log.exception("engine step failed (%d in a row)", self.failed_steps_in_row)
-                with self._lock:
-                    for seq in list(self.scheduler.running):
-                        self._finish(seq, exc)
-
-    def _step(self) -> None:
-        with self._lock:
-            for seq in [s for s in self.scheduler.running if s.cancel_reason is not None]:
-                # a cancel that landed during the last forward cost that one step: never more
-                self.max_steps_after_cancel = max(self.max_steps_after_cancel,
-                                                  len(seq.output_ids) - seq.tokens_at_cancel)
-                self._finish(seq, seq.cancel_reason)
-            admitted, _ = self.scheduler.schedule()
-        running = list(self.scheduler.running)
-        if not running:
-            self.pool.release_batch()
-            return
-        slots = self._prepare_slots(admitted)
-        if slots is None:
-            return
-        plan = self.scheduler.plan_step()
-        self.scheduler.note_plan(plan)
-        inputs = [SeqInput(seq.block_table, seq.token_at(seq.num_computed, seq.num_computed + n), seq.num_computed,
-                           slots[seq.uid]) for seq, n in plan]
-        logits = self.runner.forward(inputs)
-        self.steps += 1
-        planned = [seq for seq, _ in plan]
-        self.prompt_tokens_computed += sum(max(0, min(len(s.prompt_ids), x.start_pos + len(x.token_ids)) - x.start_pos)
-                                           for s, x in zip(planned, inputs))
-        self._score_prompts(planned, inputs)  # echo: every row this forward fed, chunks included
-        # a prefill cut short by the token budget samples nothing yet: its prompt continues next step
-        ends = [seq.num_computed + n == seq.num_tokens for seq, n in plan]
-        for seq, n in plan:
-            self.blocks.commit(seq, seq.num_computed + n)
-        running = [seq for (seq, _), end in zip(plan, ends) if end]
-        if len(running) < len(plan):
-            rows = [i for i, end in enumerate(ends) if end]
-            logits = logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=logits.device))
-        running, logits = fork_ready(running, logits, self._fork)
-        finished: list[tuple[Sequence, object]] = []
-        tokens = next_tokens(logits, running, self.eos_ids, self._grammar)
-        scored = step_logprobs(logits, [s.request.logprobs for s in running], tokens, self.token_texts)
-        for seq, token, logprob in zip(running, tokens, scored):
-            if token is None:  # a prompt scored, no token asked for
-                finished.append((seq, "length"))
-                continue
-            if isinstance(token, Exception):  # this sequence's sampling failed: it alone fails
-                finished.append((seq, token))
-                continue
-            reason = append_token(seq, token, self.eos_ids, logprob)
-            if reason:
-                finished.append((seq, reason))
-        self.tokens_generated += sum(1 for t in tokens if isinstance(t, int))
-        if finished:
-            with self._lock:
-                for seq, outcome in finished:
-                    self._finish(seq, outcome if isinstance(outcome, Exception) else seq.result(outcome))
-            self.pool.retain_batch(self.scheduler.running_uids())
-
-    def _score_prompts(self, running: list[Sequence], inputs: list[SeqInput]) -> None:
-        """Echo: the prompt tokens this forward fed are scored from its all-token logits (once each)."""
-        for i, (seq, x) in enumerate(zip(running, inputs)):
-            scored = seq.prompt_logprobs
-            if scored is None or len(scored) >= len(seq.prompt_ids) or x.start_pos > max(0, len(scored) - 1):
-                continue
-            token_logits = self.runner.token_logits(i)
-            skip = max(0, len(scored) - 1 - x.start_pos)  # positions already scored before a preemption
-            scored += prompt_logprobs(token_logits[skip:], seq.prompt_ids, x.start_pos + skip,
-                                      seq.request.prompt_logprobs, self.token_texts)
-
-    def _fork(self, parent: Sequence, index: int) -> Optional[Sequence]:
-        """Sample ``index`` of ``parent``'s request: in this step's batch with shared prompt blocks when
-        there is room, else queued as a plain sequence (None)."""
-        child = child_of(parent, index, self._sequence)
-        with self._lock:
-            self.registry.acquire(child.request.adapter, child.uid)
-            room = len(self.scheduler.running) < self.config.max_batch_size
-            if room and share_prompt_blocks(parent, child, self.cache):
-                self.scheduler.add_running(child)
-                return child
-            self.scheduler.add(child)
-            return None
-
-    def _prepare_slots(self, admitted: list[Sequence]) -> Optional[dict]:
-        """Slots for this step's adapters; newly admitted requests whose adapter fails to load are failed alone."""
-        while True:
-            uids = self.scheduler.running_uids()
-            try:
-                return self.pool.prepare_lora_batch(uids)
-            except LoRAFleetError as exc:
-                culprits = [s for s in admitted if s.uid is not None and not self.pool.is_resident(s.uid)]
-                if not culprits:
-                    raise
-                with self._lock:
-                    if isinstance(exc, PoolError):
-                        # the pool changed since admission (a pin took a slot), or the host tier dropped
-                        # the adapter: wait again, first in line (staging it off this thread)
-                        for seq in culprits:
-                            admitted.remove(seq)
-                        self.scheduler.requeue_front(culprits)
-                        if isinstance(exc, AdapterNotStagedError):
-                            self.staging.stage_in_background(exc.uid)
-                    else:  # the adapter itself failed to load: fail those requests alone
-                        for seq in culprits:
-                            self._finish(seq, exc)
-                            admitted.remove(seq)
-                if not self.scheduler.running:
-                    self.pool.release_batch()
-                    return None
-
-    def _wake(self) -> None:
-        with self._lock:
-            self._lock.notify_all()
-
-    def _finish(self, seq: Sequence, outcome) -> None:
-        """Called with ``_lock`` held: free the KV blocks, settle the caller, wake drains."""
-        if seq in self.scheduler.running:
-            self.scheduler.finish(seq)
-        self._end(seq, outcome)
-
-    def _end(self, seq: Sequence, outcome) -> None:
-        self.registry.release(seq.uid)
-        seq.sink(outcome)

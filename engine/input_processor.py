@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .adapter_registry import AdapterRegistry
+from .adapters import ReplicaAdapters
 from .config import EngineConfig
 from .errors import InvalidRequestError
 from .request import GenerateRequest
@@ -17,12 +17,12 @@ from .request_checks import check_output_params
 
 class InputProcessor:
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, config: EngineConfig,
-                 registry: AdapterRegistry):
+                 adapters: ReplicaAdapters):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.config = config  # read on every request: max_tokens_limit is a live setting
-        self.registry = registry
+        self.adapters = adapters  # names -> the uid each serves now
 
     def process(self, request: GenerateRequest) -> tuple[Optional[str], list[int]]:
         """(uid, prompt ids) for ``request``; the uid is None for the base model."""
@@ -37,7 +37,7 @@ class InputProcessor:
             raise InvalidRequestError("temperature", f"temperature must be >= 0, got {request.temperature}")
         if not 0 < request.top_p <= 1:
             raise InvalidRequestError("top_p", f"top_p must be in (0, 1], got {request.top_p}")
-        uid = self.registry.resolve(request.adapter)
+        uid = self.adapters.resolve(request.adapter)
         ids = self.prompt_ids(request)
         if request.max_tokens is None:  # what the context leaves, capped (the request is the engine's to fill in)
             request.max_tokens = min(self.config.max_tokens_limit, self.max_model_len - len(ids))

@@ -1,4 +1,5 @@
-"""What a replica reads from its engine: residency, host tier, pins, queue, health, stats.
+"""What a replica reads from its engine: adapters (as ``ReplicaAdapters`` reports them), the pool's
+snapshot and events, queue, health, stats.
 
 A mixin of ``LoRAEngine``, so the worker (and metrics) use this narrow API instead of
 reaching into the pool, the store or the step thread.
@@ -11,25 +12,30 @@ from typing import Optional
 from pool.events import PoolSnapshot
 from pool.host_cache import HostAdapterCache
 from pool.memory_pool import EventListener, LoRAMemoryPool
+from pool.store import AdapterRecord
 
 MAX_FAILED_STEPS = 3  # failed steps in a row that make the engine unhealthy
 
 
 class EngineReadAPI:
     def current_uid(self, name: str) -> Optional[str]:
-        return self.registry.current_uid(name)
+        return self.adapters.current_uid(name)
+
+    def adapter_record(self, uid: str) -> AdapterRecord:
+        """The adapter's one record on this replica (source, folder, rank, bytes, content version)."""
+        return self.adapters.record(uid)
 
     def is_resident(self, uid: str) -> bool:
-        return self.pool.is_resident(uid)
+        return self.adapters.is_resident(uid)
 
     def host_cached(self, uid: str) -> bool:
-        return uid in self.store.host_cache
+        return self.adapters.host_cached(uid)
 
     def host_cached_uids(self) -> list[str]:
-        return self.store.host_cache.uids()
+        return self.adapters.host_cached_uids()
 
     def pinned_uids(self) -> frozenset[str]:
-        return frozenset(self.pool.pinned)
+        return self.adapters.pinned_uids()
 
     def pool_snapshot(self) -> PoolSnapshot:
         return self.pool.snapshot()
@@ -64,8 +70,8 @@ class EngineReadAPI:
                 "steps": self.steps,
                 "cancelled": self.cancelled,
                 "max_steps_after_cancel": self.max_steps_after_cancel,
-                "adapters": self.registry.names(),
-                "host_cached": self.store.host_cache.uids(),
+                "adapters": self.adapters.names(),
+                "host_cached": self.adapters.host_cached_uids(),
                 "host_cache_bytes": self.store.host_cache.stats.bytes_used,
                 "kv_blocks": self.cache.num_blocks,
                 "kv_block_size": self.cache.block_size,

@@ -217,6 +217,23 @@ class LoRAMemoryPool:
         with self._lock:
             self.kept = frozenset(u for u in uids if u is not None)
 
+    def load(self, uid: str) -> int:
+        """Load ``uid`` into a slot outside any batch (a warm-up or a plan's read-ahead); return its slot.
+
+        Why a call of its own: warming a replica used to send a one-token request only to get an
+        adapter into a slot. Like ``pin``, the slot is an empty one, else the policy's victim among
+        adapters that are neither in the running batch nor pinned; a refusal changes nothing. It counts
+        as a load (``counters.loads``), never as a hit or a miss: no request asked for it.
+        """
+        if uid is None:
+            raise ValueError("the base model (uid None) is loaded by the batches that use it")
+        weights = None if uid in self.uid_to_slot else self._timed_weights(uid)  # fetched before the lock
+        with self._lock:
+            if uid in self.uid_to_slot:
+                self.eviction_policy.mark_used(uid)
+                return self.uid_to_slot[uid]
+            return self._load_outside_batch(uid, *(weights or self._timed_weights(uid)))
+
     # ------------------------------------------------------------------ pinning
 
     def pin(self, uid: str) -> int:
@@ -235,12 +252,7 @@ class LoRAMemoryPool:
                     f"slot must stay unpinned so other adapters can run"
                 )
             if uid not in self.uid_to_slot:
-                started = time.perf_counter()
-                weights = self._checked_weights(uid)
-                fetch_seconds = time.perf_counter() - started
-                slot = self._claim_slot(protected=self.active | {uid})
-                self.eviction_policy.mark_used(uid)
-                self._load_into(slot, uid, weights, fetch_seconds)
+                self._load_outside_batch(uid, *self._timed_weights(uid))
             self.pinned.add(uid)
             slot = self.uid_to_slot[uid]
             self._emit("pin", uid, slot)
@@ -288,6 +300,13 @@ class LoRAMemoryPool:
         if weights.rank > self.max_lora_rank:
             raise RankTooLargeError(weights.name, weights.rank, self.max_lora_rank)
         return weights
+
+    def _load_outside_batch(self, uid: str, weights: LoRAAdapterWeights, fetch_seconds: float) -> int:
+        """Called with the lock held: claim a slot the running batch does not use, then load ``uid``."""
+        slot = self._claim_slot(protected=self.active | {uid})
+        self.eviction_policy.mark_used(uid)
+        self._load_into(slot, uid, weights, fetch_seconds)
+        return slot
 
     def _claim_slot(self, protected: frozenset[Uid] | set[Uid]) -> int:
         """An empty slot, else the policy's victim among unprotected, unpinned residents."""

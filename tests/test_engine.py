@@ -130,7 +130,7 @@ def test_unregister_refuses_new_requests_at_once_and_drains_in_flight(engine, de
     worker = threading.Thread(target=lambda: results.append(
         engine.generate_blocking(GenerateRequest(adapter="temp", prompt="long", max_tokens=60))))
     worker.start()
-    wait_until(lambda: engine.registry.inflight(engine.current_uid("temp")) > 0, 60, "the request to be in flight",
+    wait_until(lambda: engine.adapters.inflight(engine.current_uid("temp")) > 0, 60, "the request to be in flight",
                interval_s=0.001)
     uid = engine.unregister_adapter("temp", timeout_s=30)
     worker.join()
@@ -184,9 +184,9 @@ def test_unregister_timeout_fails_in_flight_requests_clearly(engine, demo_assets
 
     worker = threading.Thread(target=run)
     worker.start()
-    wait_until(lambda: engine.registry.inflight(engine.current_uid("slow")) > 0, 60, "the request to be in flight",
+    wait_until(lambda: engine.adapters.inflight(engine.current_uid("slow")) > 0, 60, "the request to be in flight",
                interval_s=0.001)
     uid = engine.unregister_adapter("slow", timeout_s=0.0)
     worker.join(timeout=30)
     assert errors and "unregistered" in str(errors[0])
-    assert not engine.pool.is_resident(uid) and engine.registry.inflight(uid) == 0
+    assert not engine.pool.is_resident(uid) and engine.adapters.inflight(uid) == 0

@@ -213,3 +213,114 @@ def test_without_a_host_tier_slot_loads_still_never_read_files_on_the_engine_thr
         assert reads_on_engine_thread == []
     finally:
         engine.shutdown()
+
+
+class LoadWatch:
+    """Records each pool load: on which thread, and whether a forward was running at that moment."""
+
+    def __init__(self, engine: LoRAEngine):
+        self.loads: list[tuple[str, threading.Thread, bool]] = []
+        self._in_forward = False
+        engine.model.register_forward_pre_hook(lambda *_: setattr(self, "_in_forward", True))
+        engine.model.register_forward_hook(lambda *_: setattr(self, "_in_forward", False))
+        engine.subscribe_pool_events(self._seen)
+
+    def _seen(self, event) -> None:
+        if event.kind == "load":
+            self.loads.append((event.uid, threading.current_thread(), self._in_forward))
+
+
+def test_load_into_slot_loads_between_steps_with_no_request_and_counts_one_load(demo_assets):
+    """A warm-up is an engine call, not a fake request: the slot copy runs on the engine thread between two
+    forwards (idle or busy), counts one load and no hit or miss, and no request is queued or counted."""
+    engine = make_engine(demo_assets, max_loras_per_batch=4)
+    try:
+        watch = LoadWatch(engine)
+        uids = {name: engine.current_uid(name) for name in ("demo-1", "demo-2")}
+        before = engine.pool_snapshot().counters
+        slot = engine.load_into_slot(uids["demo-1"])  # an idle engine: its loop wakes for the change alone
+        assert engine.pool.get_slot(uids["demo-1"]) == slot
+        assert watch.loads == [(uids["demo-1"], engine._thread, False)]
+        after = engine.pool_snapshot().counters
+        assert after.loads == before.loads + 1 and (after.hits, after.misses) == (before.hits, before.misses)
+        assert engine.stats()["waiting"] == engine.stats()["running"] == 0 and engine.steps == 0
+        assert engine.adapters.inflight(uids["demo-1"]) == 0
+        assert engine.load_into_slot(uids["demo-1"]) == slot  # resident already: no second load
+        assert engine.pool_snapshot().counters.loads == after.loads
+
+        busy = threading.Thread(target=engine.generate_blocking,
+                                args=(GenerateRequest(prompt="busy", max_tokens=150, ignore_eos=True),))
+        busy.start()
+        wait_until(lambda: engine.steps > 0, 60, "the base-model request to be stepping")
+        engine.load_into_slot(uids["demo-2"])  # while a batch is running: between two of its steps
+        busy.join(timeout=120)
+        assert watch.loads[-1] == (uids["demo-2"], engine._thread, False)
+        assert engine.pool_snapshot().counters.loads == after.loads + 1  # demo-2 (the base slot is no load)
+    finally:
+        engine.shutdown()
+
+
+def test_retiring_an_adapter_in_use_waits_for_its_requests_and_refuses_slot_loads(demo_assets):
+    """Today's semantics: unregistering refuses new requests at once, and the unload waits until the adapter's
+    requests end; meanwhile the pool refuses to unload it and ``load_into_slot`` refuses the retiring uid."""
+    from engine.errors import AdapterUnregisteredError
+    from pool.errors import AdapterInUseError
+
+    engine = make_engine(demo_assets)
+    try:
+        uid = engine.current_uid("demo-2")
+        results = []
+        request = threading.Thread(target=lambda: results.append(engine.generate_blocking(
+            GenerateRequest(adapter="demo-2", prompt="in use", max_tokens=40, ignore_eos=True))))
+        request.start()
+        wait_until(lambda: engine.steps > 0 and engine.stats()["running"] == 1, 60, "the request to be running")
+        gate = ForwardGate(engine.model.lm_head)
+        gate.hold()  # the batch stays as it is: demo-2 is in the running batch until release()
+        retired = []
+        retiring = threading.Thread(target=lambda: retired.append(engine.unregister_adapter("demo-2", timeout_s=60)))
+        try:
+            retiring.start()
+            wait_until(lambda: engine.current_uid("demo-2") is None, 30, "new requests to be refused")
+            with pytest.raises(AdapterInUseError):
+                engine.pool.remove(uid)  # the running batch uses it
+            with pytest.raises(AdapterUnregisteredError, match="retiring"):
+                engine.load_into_slot(uid)
+            assert engine.is_resident(uid) and not retired
+        finally:
+            gate.release()
+        retiring.join(timeout=60)
+        request.join(timeout=60)
+        assert retired == [uid] and results[0].completion_tokens == 40  # it finished; it was not cancelled
+        assert not engine.is_resident(uid) and uid not in engine.store
+    finally:
+        engine.shutdown()
+
+
+def test_a_refused_slot_load_leaves_the_pool_whole_and_the_engine_serving(demo_assets):
+    """Two slots, one pinned, one holding the running batch's adapter: a warm-up has no slot to take. It is
+    refused with the pool's error, the pool's invariants hold, and the running request is unharmed."""
+    from pool.errors import NoEvictableSlotError
+    from pool_helpers import check_invariants
+
+    engine = make_engine(demo_assets, max_loras_per_batch=2)
+    try:
+        engine.register_adapter("demo-3", str(demo_assets.adapters["demo-3"]))
+        engine.pin_adapter("demo-1")
+        results = []
+        request = threading.Thread(target=lambda: results.append(engine.generate_blocking(
+            GenerateRequest(adapter="demo-2", prompt="running", max_tokens=150, ignore_eos=True))))
+        request.start()
+        wait_until(lambda: engine.steps > 0, 60, "the demo-2 request to be stepping")
+        loads = engine.pool_snapshot().counters.loads
+        with pytest.raises(NoEvictableSlotError):
+            engine.load_into_slot(engine.current_uid("demo-3"))
+        engine.at_step_boundary(lambda: check_invariants(engine.pool))
+        snap = engine.pool_snapshot()
+        assert set(snap.resident) == {engine.current_uid("demo-1"), engine.current_uid("demo-2")}
+        assert snap.pinned == {engine.current_uid("demo-1")} and snap.counters.loads == loads
+        request.join(timeout=120)
+        assert results[0].completion_tokens == 150 and engine.healthy() and engine.failed_steps_in_row == 0
+        assert engine.load_into_slot(engine.current_uid("demo-3")) is not None  # the batch ended: demo-2 may go
+        engine.at_step_boundary(lambda: check_invariants(engine.pool))
+    finally:
+        engine.shutdown()

@@ -52,7 +52,7 @@ def peft_logits(peft_model, adapter, ids):
 def our_logits(engine, batch):
     """batch: list of (adapter name | None, ids); all-token logits per request from one forward."""
     with engine._step_lock:
-        uids = [engine.registry.resolve(a) for a, _ in batch]
+        uids = [engine.adapters.resolve(a) for a, _ in batch]
         slots = engine.pool.prepare_lora_batch(set(uids))
         blocks = engine.cache.allocator
         tables = [[blocks.allocate() for _ in range(blocks.blocks_for(len(ids)))] for _, ids in batch]

@@ -70,6 +70,23 @@ class PoolMachine(RuleBasedStateMachine):
             assert not evictable and EMPTY not in self.pool.slot_to_uid
 
     @rule(uid=UIDS)
+    def load(self, uid):
+        """A load outside any batch (warm-up): refused only for the base model, an unknown uid, or when every
+        slot holds the running batch's or a pinned adapter; it never touches the batch or counts a hit."""
+        was_resident, active = self.pool.is_resident(uid), self.pool.active
+        counters = self.pool.snapshot().counters
+        room = EMPTY in self.pool.slot_to_uid or any(u not in active and u not in self.pool.pinned
+                                                      for u in self.pool.uid_to_slot)
+        slot, ok = self._attempt(self.pool.load, uid)
+        assert ok == (uid is not None and uid != "unknown" and (was_resident or room))
+        assert self.pool.active == active
+        after = self.pool.snapshot().counters
+        assert (after.hits, after.misses) == (counters.hits, counters.misses)
+        if ok:
+            assert self.pool.slot_to_uid[slot] == uid
+            assert after.loads == counters.loads + (not was_resident)
+
+    @rule(uid=UIDS)
     def unpin(self, uid):
         _, ok = self._attempt(self.pool.unpin, uid)
         if ok:
