@@ -58,8 +58,8 @@ class _Versioned:
                   ray_actor_options={"num_cpus": 0},
                   logging_config={"enable_access_log": False})  # reports arrive every few ms
 class AdapterDirectoryActor:
-    def __init__(self, replica_timeout_s: float = 10.0):
-        self.directory = AdapterDirectory(replica_timeout_s=replica_timeout_s)
+    def __init__(self):
+        self.directory = AdapterDirectory()  # its replica_timeout_s: the one default, in routing/directory.py
         self.epoch = uuid.uuid4().hex  # routers start over when the directory restarts
         self.metrics = DirectoryMetrics()
         self._view_changes = _Versioned()

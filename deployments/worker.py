@@ -240,15 +240,6 @@ class LoRAWorker:
         return {"rank": record.rank, "bytes": record.nbytes, "folder": str(record.folder),
                 "content": await asyncio.to_thread(content_version, record)}
 
-    async def prewarm_adapter(self, target: ReplicaTarget, name: str, into_slot: bool = False) -> dict:
-        """Bring a registered adapter into this replica's host tier (and a slot) before traffic reaches it."""
-        if target.target_replica != self.replica_id:
-            raise RuntimeError(f"prewarm for {target.target_replica} reached replica {self.replica_id}")
-        await self._prewarm(name, into_slot)
-        uid = self.engine.current_uid(name)
-        return {"replica": self.replica_id, "resident": self.engine.is_resident(uid),
-                "host_cached": self.engine.host_cached(uid)}
-
     async def _prewarm(self, name: str, into_slot: bool) -> None:
         await self._ensure_adapter(name)
         if into_slot:  # a one-token request loads it the way traffic would

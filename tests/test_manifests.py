@@ -26,6 +26,8 @@ import pytest
 import yaml
 from metric_names import RAY_PREFIX, defined_metrics, of_kind, prometheus_series
 
+from pool.sources.hub import is_hub_repo_id
+
 REPO = Path(__file__).resolve().parents[1]
 MANIFESTS = REPO / "manifests"
 CRD_PATH = REPO / "tests" / "data" / "kuberay" / "ray.io_rayservices.yaml"
@@ -334,9 +336,9 @@ def test_gpu_serve_config_is_production_shaped():
     config = yaml.safe_load((REPO / "serve_config.gpu.yaml").read_text(encoding="utf-8"))
     (app,) = config["applications"]
     args = AppArgs(**app["args"])
-    assert re.fullmatch(r"[\w.-]+/[\w.-]+", args.base_model) and "8B" in args.base_model
+    assert is_hub_repo_id(args.base_model) and "8B" in args.base_model
     assert args.dtype == "bfloat16"
-    assert args.adapters and all(re.fullmatch(r"[\w.-]+/[\w.-]+", a.source) for a in args.adapters)
+    assert args.adapters and all(is_hub_repo_id(a.source) for a in args.adapters)
     (worker,) = [d for d in app["deployments"] if d["name"] == "LoRAWorker"]
     assert worker["ray_actor_options"]["num_gpus"] == 1 and max_worker_replicas(worker) >= 2
 
