@@ -43,6 +43,9 @@ import threading
 import time
 from typing import Optional
 
+from testkit.ports import HOST, reserve_port
+from testkit.serve_cluster import stop_serve
+
 from . import common
 from .chaos_outcomes import (IsolatedDrop, KillRecord, Outcome, chaos_goals, orphan_rows, recovery_rows,
                              recovery_seconds, request_rows, rss_rows, unaccounted_tokens)
@@ -302,7 +305,7 @@ def main(argv=None) -> list[dict]:
     from engine.demo import ensure_demo_assets
 
     ensure_demo_assets(num_adapters=len(ADAPTERS))  # once, before replicas race to build them
-    reservation = fleet.reserve_port()
+    reservation = reserve_port()
     port = reservation.getsockname()[1]
     print(f"chaos: {args.workers} workers, concurrency {args.concurrency}, {args.drop_fraction:.0%} of streams "
           f"dropped, soak {args.soak_s:g} s after {args.warmup_s:g} s warm-up; this machine has "
@@ -312,9 +315,9 @@ def main(argv=None) -> list[dict]:
         fleet.start_cluster(port, args.cpus)
         logging.getLogger("ray.serve").setLevel(logging.ERROR)
         fleet.deploy(APP, args.workers, app_args(args))
-        result = asyncio.run(run_phases(args, f"http://{fleet.HOST}:{port}"))
+        result = asyncio.run(run_phases(args, f"http://{HOST}:{port}"))
     finally:
-        fleet.stop_cluster()
+        stop_serve()
         reservation.close()
     rows, goals = report(args, result)
     print(f"\nchaos: {common.elapsed_since(started)}")

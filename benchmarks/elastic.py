@@ -27,24 +27,13 @@ import time
 
 import numpy as np
 
+from testkit.elastic import APP, HEADROOM, autoscaling, pin_one_per_replica, running_workers
+
 from . import common
 
 ADAPTERS = [f"demo-{i}" for i in range(6)]
 NARROW = ADAPTERS[:2]
-APP = "elastic"
 SLOTS = 3
-HEADROOM = 1.5
-
-
-def autoscaling(downscale_delay_s: float) -> dict:
-    """LoRAWorker's ``autoscaling_config``: 2..3 replicas, the adapter-aware policy, metrics every 0.5 s."""
-    return {
-        "min_replicas": 2, "max_replicas": 3, "target_ongoing_requests": 50,  # queues never ask for more here
-        "upscale_delay_s": 0, "downscale_delay_s": 0, "metrics_interval_s": 0.5, "look_back_period_s": 2,
-        "policy": {"policy_function": "deployments.autoscaling:AdapterAwarePolicy",
-                   "policy_kwargs": {"max_loads_per_s_per_replica": 50.0, "working_set_headroom": HEADROOM,
-                                     "upscale_delay_s": 0.0, "downscale_delay_s": downscale_delay_s}},
-    }
 
 
 def make_parser():
@@ -110,15 +99,6 @@ def deploy(downscale_delay_s: float, demand_window_s: float):
     return serve.run(app, name=APP, route_prefix=None)
 
 
-def running_workers() -> int:
-    """LoRAWorker replicas Serve runs and routes to (the directory hears of a new one earlier, during its
-    warm-up; a call targeted at a replica this process's router does not know yet is never routed)."""
-    from ray import serve
-
-    states = serve.status().applications[APP].deployments["LoRAWorker"].replica_states
-    return sum(n for state, n in states.items() if state == "RUNNING")
-
-
 def directory():
     from ray import serve
 
@@ -151,20 +131,6 @@ def wait_for(predicate, timeout_s: float, what: str):
             return value
         time.sleep(0.1)
     raise TimeoutError(f"timed out after {timeout_s:g} s waiting for {what}")
-
-
-def pin_one_per_replica(ingress, replicas: list[str], prefix: str = "elastic-pin") -> dict[str, str]:
-    """Register, pinned on one replica, the first ``<prefix>-<i>`` names the pin rule puts on each replica
-    (sources: demo adapters): whichever replica leaves held a pin. Returns replica -> name."""
-    from routing.pins import pin_holders
-
-    pinned: dict[str, str] = {}
-    for replica in replicas:
-        name = next(f"{prefix}-{i}" for i in itertools.count() if pin_holders(f"{prefix}-{i}", replicas, 1) == [replica])
-        ingress.register_adapter.remote(name, f"demo:demo-{len(pinned) + 1}", pinned=True, replicas=1).result(
-            timeout_s=60)
-        pinned[replica] = name
-    return pinned
 
 
 def uids(handle) -> dict[str, str]:

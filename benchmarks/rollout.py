@@ -33,7 +33,9 @@ import httpx
 import numpy
 
 from benchmarks import common
-from benchmarks.local_s3 import LocalS3Server, s3_client, upload_folder
+from testkit.local_s3 import LocalS3Server, s3_client, upload_folder
+from testkit.ports import HOST, REUSE_PORT_ENV, reserve_port
+from testkit.serve_cluster import start_serve
 
 APP = "rollout-bench"
 ADMIN_TOKEN = "rollout-bench-token"
@@ -120,26 +122,16 @@ class ResidencyPoller:
         self._thread.join(timeout=30)
 
 
-def reserve_port() -> socket.socket:
-    """A free port held with SO_REUSEPORT (never listening) so Serve's proxy, binding it the same way, alone accepts."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind(("127.0.0.1", 0))
-    return sock
-
-
 def start_local_serve(cpus: int) -> tuple[socket.socket, str]:
     """A fresh local Ray cluster with Serve's proxy on a free port (held until the caller closes it)."""
     import ray
-    from ray import serve
 
-    os.environ.update({"LORAFLEET_ADMIN_TOKEN": ADMIN_TOKEN, "SERVE_SOCKET_REUSE_PORT_ENABLED": "1"})
+    os.environ.update({"LORAFLEET_ADMIN_TOKEN": ADMIN_TOKEN, **REUSE_PORT_ENV})
     port = reserve_port()
     ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": port.getsockname()[1]})
+    start_serve(port.getsockname()[1])
     logging.getLogger("ray.serve").setLevel(logging.ERROR)
-    return port, f"http://127.0.0.1:{port.getsockname()[1]}"
+    return port, f"http://{HOST}:{port.getsockname()[1]}"
 
 
 def admin(method: str, url: str, **kw) -> dict:

@@ -161,7 +161,7 @@ class Variant:
                             self.args.replicas)
 
     def ensure_clients(self, count: int) -> list:
-        from .live.clients import LoadClient
+        from testkit.clients import LoadClient
 
         while len(self.clients) < count:
             self.clients.append(LoadClient.remote(self.app, self.deployment, self.multiplexed))
@@ -214,7 +214,7 @@ def run_clients(clients: list, requests: list, concurrency: int, stream: bool = 
     """Split the trace round-robin over the clients (their routers) and the concurrency over them too."""
     import ray
 
-    from .live.clients import shares, split
+    from testkit.clients import shares, split
 
     parts = split(requests, len(clients))
     results = ray.get([c.run.remote(p, s, stream)

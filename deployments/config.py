@@ -48,65 +48,125 @@ EvictionPolicyName = Literal["lru", "fifo", "sieve"]  # pool.eviction.EVICTION_P
 
 
 class AppArgs(BaseModel):
-    """Every setting of the application and its single set of defaults (engine and router derive from it)."""
+    """Every setting of the application and its single set of defaults (engine and router derive from it).
 
-    model_config = ConfigDict(extra="forbid")
+    Each field's docstring is its documentation: README.md's configuration table is rendered from them
+    (``python -m deployments.config_table``), so a field without one fails that table's test.
+    """
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     base_model: str = "demo"
-    served_model_name: Optional[str] = None  # the base model's id in /v1/models and responses (None: its name)
+    """`demo` (generated tiny Llama), a local folder, or a hub repo id (Llama, Mistral, Qwen2/3; `HF_TOKEN`,
+    `HF_HUB_OFFLINE` honoured; safetensors only)"""
+    served_model_name: Optional[str] = None
+    """the base model's id in `/v1/models` and responses (unset: the folder's or repo's last part, `demo` for the demo)"""
     revision: Optional[str] = None
+    """hub revision of the base model"""
     dtype: Dtype = "auto"
-    device: Optional[Device] = None  # None or auto: cuda when torch.cuda.is_available()
+    """`auto` (bf16 on CUDA, fp32 on the CPU), `float32`, `bfloat16`, `float16`"""
+    device: Optional[Device] = None
+    """`cuda`, `cpu`, or unset / `auto`: `cuda` when `torch.cuda.is_available()`, else `cpu`"""
     max_loras_per_batch: int = Field(default=4, ge=1)
+    """adapter slots per replica, the base model's slot included"""
     max_lora_rank: int = Field(default=16, ge=1)
+    """buffer rank; higher-rank adapters are refused (400, both numbers named)"""
     target_modules: list[str] = Field(default_factory=lambda: list(ALL_TARGET_MODULES))
+    """which of q/k/v/o/gate/up/down get LoRA buffers"""
     eviction_policy: EvictionPolicyName = "lru"
+    """`lru`, `fifo` or `sieve` (live-changeable through `user_config`)"""
     host_cache_bytes: int = Field(default=1 << 30, ge=0)
-    adapters: Optional[list[AdapterSpec]] = None  # None with base_model demo: the demo adapters
+    """host-memory tier per replica (pinned memory on CUDA): a re-load is a copy, not a file read"""
+    adapters: Optional[list[AdapterSpec]] = None
+    """`[{name, source, revision?, pinned?, replicas?}]` registered at start; `source: "demo:demo-N"` names a
+    generated demo adapter (unset with `base_model: demo`: the demo adapters)"""
     max_batch_size: int = Field(default=8, ge=1)
-    # tokens one engine step feeds; longer prompts are prefilled in chunks sharing steps with decodes.
-    # None: 8192 on CUDA, 256 on the CPU (engine.kv_setup.DEFAULT_TOKEN_BUDGET), at least max_batch_size
+    """running requests per replica (also bounded by free KV blocks); `build_fleet` makes it LoRAWorker's
+    `max_ongoing_requests`, so a replica spills only when its batch is full"""
     max_num_batched_tokens: Optional[int] = Field(default=None, ge=1)
+    """tokens one engine step feeds; longer prompts are prefilled in chunks beside running decodes (unset: 8192
+    on CUDA, 256 on the CPU, at least `max_batch_size`)"""
     max_model_len: Optional[int] = Field(default=None, ge=16)
-    kv_cache_bytes: Optional[int] = Field(default=None, ge=1)  # per replica; None: 80% of free GPU memory, CPU: rows
-    kv_cache_memory_fraction: float = Field(default=0.8, gt=0, le=1)  # CUDA, kv_cache_bytes None
-    kv_block_size: int = Field(default=16, ge=1)  # token positions per KV block
-    enable_prefix_caching: bool = True  # share KV blocks of equal (adapter uid, prompt prefix)
+    """context window (unset: the model's, at most 2048)"""
+    kv_cache_bytes: Optional[int] = Field(default=None, ge=1)
+    """paged KV cache budget per replica (unset: on CUDA `kv_cache_memory_fraction` of free memory, on the CPU
+    enough for `max_batch_size` full-length sequences)"""
+    kv_cache_memory_fraction: float = Field(default=0.8, gt=0, le=1)
+    """on CUDA with `kv_cache_bytes` unset: the fraction of free GPU memory the KV cache takes"""
+    kv_block_size: int = Field(default=16, ge=1)
+    """token positions per KV block"""
+    enable_prefix_caching: bool = True
+    """requests with the same adapter uid and prompt prefix share KV blocks (keyed by uid: a re-registered
+    adapter never reuses stale KV)"""
     max_tokens_limit: int = Field(default=512, ge=1)
-    max_waiting_requests: int = Field(default=64, ge=1)  # per replica engine queue, beyond its running batch
-    max_bypass_steps: int = Field(default=16, ge=0)  # steps a blocked queue head may be bypassed (no starvation)
-    # every routing tunable (routing.settings.RoutingSettings; docs/routing_settings.md), e.g. {tie_epsilon: 0.5}
+    """cap on a request's `max_tokens`"""
+    max_waiting_requests: int = Field(default=64, ge=1)
+    """requests waiting in one engine beyond its running batch; beyond it 503"""
+    max_bypass_steps: int = Field(default=16, ge=0)
+    """steps later requests may pass a blocked queue head (then it goes first: no starvation)"""
     routing: RoutingSettings = Field(default_factory=RoutingSettings)
+    """every routing tunable, each with its unit: the policy's tie and spill terms, the router's feed, the plan's
+    hysteresis (e.g. `{tie_epsilon: 0.5, grow_after_s: 10}`; table: [docs/routing_settings.md](docs/routing_settings.md),
+    generated from `routing/settings.py`)"""
     _routing = field_validator("routing", mode="before")(classmethod(
         lambda cls, v: v if isinstance(v, RoutingSettings) else RoutingSettings.from_mapping(v)))
     pin_replicas: int = Field(default=1, ge=1)
+    """a pinned adapter is pinned on its first N replicas in rendezvous order"""
     admin_token_env: str = "LORAFLEET_ADMIN_TOKEN"
+    """env var holding the admin bearer token (unset variable: the admin API is off)"""
     adapter_roots: Optional[list[str]] = None
+    """allowed local folders for adapter sources (unset: any)"""
     hub_orgs: Optional[list[str]] = None
-    object_store_prefixes: Optional[list[str]] = None  # allowed s3://bucket[/prefix], gs://bucket[/prefix] (None: any)
-    adapter_cache_dir: Optional[str] = None  # node-local object-store download cache (None: ~/.cache/lorafleet/adapters)
-    adapter_resolvers: Optional[list[str]] = None  # tried for an unregistered name: folder, s3/gs prefix or hub org
-    adapter_resolver_negative_ttl_s: float = Field(default=30.0, ge=0)  # how long a resolver miss is remembered
-    adapter_resolver_lookups_per_s: float = Field(default=5.0, gt=0)  # fleet-wide, over all ingress replicas
-    adapter_resolver_max_concurrent_lookups: int = Field(default=4, ge=1)  # fleet-wide
-    adapter_resolver_entry_ttl_s: Optional[float] = Field(default=3600.0, gt=0)  # resolver-made entries (None: kept)
+    """allowed hub organisations for adapter sources (unset: any)"""
+    object_store_prefixes: Optional[list[str]] = None
+    """allowed `s3://bucket[/prefix]` and `gs://bucket[/prefix]` adapter sources (unset: any)"""
+    adapter_cache_dir: Optional[str] = None
+    """node-local download cache for object-store adapters, shared by the node's replicas (unset:
+    `~/.cache/lorafleet/adapters`)"""
+    adapter_resolvers: Optional[list[str]] = None
+    """roots tried in order for an unregistered adapter name on its first request: a folder, an s3/gs prefix or
+    a hub org (unset: off)"""
+    adapter_resolver_negative_ttl_s: float = Field(default=30.0, ge=0)
+    """how long a resolver miss is remembered"""
+    adapter_resolver_lookups_per_s: float = Field(default=5.0, gt=0)
+    """fleet-wide resolver lookup rate, over all ingress replicas (beyond: 429 `resolver_busy`)"""
+    adapter_resolver_max_concurrent_lookups: int = Field(default=4, ge=1)
+    """fleet-wide resolver lookups at once"""
+    adapter_resolver_entry_ttl_s: Optional[float] = Field(default=3600.0, gt=0)
+    """how long a resolver-made registration lives (unset: kept)"""
     _prefixes = field_validator("object_store_prefixes")(classmethod(lambda cls, v: validate_object_store_prefixes(v)))
     _resolvers = field_validator("adapter_resolvers")(classmethod(lambda cls, v: validate_resolver_roots(v)))
-    quota_lease_batch: int = Field(default=8, ge=1)  # most quota leases one grant hands an ingress (far from a limit)
-    quota_lease_heartbeat_s: float = Field(default=0.5, gt=0)  # an ingress holding leases reports this often
-    quota_lease_ttl_s: float = Field(default=5.0, gt=0)  # silent this long, an ingress's leases return (dead)
-    quota_recall_wait_s: float = Field(default=1.0, ge=0)  # a grant at the limit waits this long for spares
+    quota_lease_batch: int = Field(default=8, ge=1)
+    """most quota leases one grant hands an ingress (far from a limit)"""
+    quota_lease_heartbeat_s: float = Field(default=0.5, gt=0)
+    """how often an ingress holding quota leases reports"""
+    quota_lease_ttl_s: float = Field(default=5.0, gt=0)
+    """silent this long, an ingress's quota leases return (it is taken for dead)"""
+    quota_recall_wait_s: float = Field(default=1.0, ge=0)
+    """how long a quota grant at the limit waits for other ingresses' spares"""
     max_queued_requests: int = Field(default=256, ge=1)
+    """queue bound per worker and per ingress; beyond it 429"""
     request_timeout_s: float = Field(default=120.0, gt=0)
-    stream_idle_timeout_s: float = Field(default=60.0, gt=0)  # a stream with no token for this long is closed
+    """per-request timeout (504); replicas drain this plus 10 s on a scale-down or redeploy (`build_fleet`)"""
+    stream_idle_timeout_s: float = Field(default=60.0, gt=0)
+    """a stream with no token for this long ends with an error event"""
     max_body_bytes: int = Field(default=1 << 20, ge=1024)
+    """request body size limit (413)"""
     max_prompt_chars: int = Field(default=32_000, ge=1)
-    prewarm_timeout_s: float = Field(default=30.0, gt=0)  # a traffic PUT waits this long for pre-warming, at most
-    version_retire_grace_s: Optional[float] = Field(default=None, ge=0)  # 0% version kept; None: request_timeout_s
+    """prompt length limit in characters (400)"""
+    prewarm_timeout_s: float = Field(default=30.0, gt=0)
+    """a traffic PUT waits at most this for pre-warming"""
+    version_retire_grace_s: Optional[float] = Field(default=None, ge=0)
+    """a version at 0% stays resolvable this long (unset: `request_timeout_s`)"""
     drain_timeout_s: float = Field(default=30.0, ge=0)
-    warm_start_timeout_s: float = Field(default=60.0, ge=0)  # a new worker's warm-up bound (0: start cold)
-    replicas_follow_plan: bool = True  # a replica reads ahead what the plan newly puts on it, evicts those last
-    demand_window_s: float = Field(default=60.0, gt=0)  # window of the loads/s and working set the autoscaler sees
+    """how long an unregistered adapter's in-flight requests may finish"""
+    warm_start_timeout_s: float = Field(default=60.0, ge=0)
+    """how long a new replica may load its warm-start plan before taking traffic (0: start cold)"""
+    replicas_follow_plan: bool = True
+    """a replica reads what the placement plan newly puts on it into its host tier (and a free slot) before
+    traffic reaches it, and evicts the plan's adapters last"""
+    demand_window_s: float = Field(default=60.0, gt=0)
+    """the window of requested adapters (and loads/s) the autoscaling policy counts as the working set"""
 
     @property
     def model_name(self) -> str:

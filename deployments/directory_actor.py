@@ -58,10 +58,11 @@ class _Versioned:
                   ray_actor_options={"num_cpus": 0},
                   logging_config={"enable_access_log": False})  # reports arrive every few ms
 class AdapterDirectoryActor:
-    def __init__(self, replica_timeout_s: float = 10.0, routing: Optional[dict] = None):
-        """``routing``: the app's routing settings that differ from the defaults (the plan's among them)."""
+    def __init__(self, routing: Optional[dict] = None):
+        """``routing``: the app's routing settings that differ from the defaults (the plan's among them); the
+        directory's replica timeout is its one default, in routing/directory.py."""
         self.settings = RoutingSettings.from_mapping(routing)
-        self.directory = AdapterDirectory(replica_timeout_s=replica_timeout_s, settings=self.settings)
+        self.directory = AdapterDirectory(settings=self.settings)
         self.epoch = uuid.uuid4().hex  # routers start over when the directory restarts
         self.metrics = DirectoryMetrics()
         self._view_changes = _Versioned()

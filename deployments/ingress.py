@@ -21,6 +21,7 @@ from engine.request import GenerateRequest, GenerateResult
 from .admission import RequestLimiter
 from .front_door import FrontDoor
 from .config import AdapterSpec, AppArgs
+from .derived_options import check_deployment
 from .adapter_gate import build_gate
 from .http_app import build_http_app
 from .registry import RegistryFollower
@@ -32,7 +33,9 @@ STARTUP_REGISTRATIONS = 16  # startup adapters registered at once
 @serve.deployment(name="LoRAFleetIngress", max_ongoing_requests=512, ray_actor_options={"num_cpus": 0})
 @serve.ingress()
 class LoRAFleetIngress:
-    async def __init__(self, args: dict, worker, directory, quota_leases):
+    async def __init__(self, args: dict, worker, directory, quota_leases, derived: Optional[dict] = None):
+        """``derived``: the options build_fleet derived (``derived_options.expected``), checked against Serve's."""
+        check_deployment("LoRAFleetIngress", serve.get_replica_context()._deployment_config, derived)
         self.args = AppArgs(**args)
         self.worker = worker.options(stream=False)
         self.worker_stream = worker.options(stream=True)

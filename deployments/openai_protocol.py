@@ -126,7 +126,7 @@ def to_generate_request(body: Union[CompletionRequest, ChatCompletionRequest], a
     _check_common(body)
     common = dict(
         adapter=adapter, temperature=_default(body.temperature, 1.0), top_p=_default(body.top_p, 1.0),
-        seed=body.seed, stop=body.stop, stream=bool(body.stream), n=_default(body.n, 1),
+        seed=body.seed, stop=body.stop, n=_default(body.n, 1),
         presence_penalty=_default(body.presence_penalty, 0.0), frequency_penalty=_default(body.frequency_penalty, 0.0),
         repetition_penalty=_default(body.repetition_penalty, 1.0), min_tokens=_default(body.min_tokens, 0),
         stop_token_ids=body.stop_token_ids, ignore_eos=bool(body.ignore_eos), response_format=body.response_format,

@@ -18,7 +18,6 @@ from typing import AsyncIterator, Optional
 
 import torch
 from ray import serve
-from ray.serve.config import RequestRouterConfig
 
 from engine.engine import LoRAEngine
 from engine.request import GenerateRequest, GenerateResult, ReplicaTarget, TokenDelta
@@ -29,11 +28,11 @@ from routing.directory import ReplicaState
 from routing.load_timings import LoadTimings
 from routing.pins import pin_holders
 from routing.prefetch import Prefetch, prefetches
-from routing.ray_router import check_router_kwargs
 
 from .autoscaling import LOADS_METRIC, PINNED_METRIC, SLOTS_METRIC, sketch_metric
 from .content_version import SourceChangedError, check_unchanged, content_version
 from .config import AppArgs, resolve_demo_source
+from .derived_options import check_deployment
 from .engine_metrics import EngineMetrics
 from .event_buffer import EventBuffer
 from .metrics import PoolMetrics, PrefetchMetrics
@@ -55,29 +54,14 @@ def _torch_threads() -> int:
     return max(1, int(cpus)) if cpus else (os.cpu_count() or 1)
 
 
-def _check_own_router_kwargs(context) -> None:
-    """Fail the deploy when serve_config.yaml gives the router a kwarg it does not take (a misspelling)."""
-    router_config = getattr(getattr(context, "_deployment_config", None), "request_router_config", None)
-    kwargs = getattr(router_config, "request_router_kwargs", None)
-    if isinstance(kwargs, dict) and router_config.request_router_class.endswith(":AdapterAffinityRouter"):
-        check_router_kwargs(kwargs)
-
-
-@serve.deployment(
-    name="LoRAWorker",
-    max_ongoing_requests=8,
-    request_router_config=RequestRouterConfig(
-        request_router_class="routing.ray_router:AdapterAffinityRouter",
-        request_routing_stats_period_s=5.0,  # as build_fleet: a repair path beside the directory feed
-    ),
-    health_check_period_s=5.0,
-)
+@serve.deployment(name="LoRAWorker", health_check_period_s=5.0)  # the options AppArgs decide: build_fleet's
 class LoRAWorker:
-    async def __init__(self, args: dict, directory=None):
+    async def __init__(self, args: dict, directory=None, derived: Optional[dict] = None):
+        """``derived``: the options build_fleet derived (``derived_options.expected``), checked against Serve's."""
         self.args = AppArgs(**args)
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
-        _check_own_router_kwargs(context)
+        check_deployment("LoRAWorker", context._deployment_config, derived)
         if not torch.cuda.is_available():
             torch.set_num_threads(_torch_threads())
         self.engine = await asyncio.to_thread(LoRAEngine, self.args.engine_config(self.replica_id))

@@ -21,6 +21,11 @@ class KVCacheFullError(RuntimeError):
     """No free block left (the scheduler checks ``num_free`` first, so this means a bookkeeping bug)."""
 
 
+class KVBlockRefError(RuntimeError):
+    """A block freed more often than it was taken, or shared while nobody holds it: a reference-count bug,
+    not a full cache, so it must not be mistaken for (or handled as) ``KVCacheFullError``."""
+
+
 def block_digest(parent: Optional[bytes], uid: Optional[str], tokens: Iterable[int]) -> bytes:
     """Digest of a full block: its adapter uid, its tokens, and the digest of the blocks before it."""
     h = hashlib.blake2b(digest_size=16)
@@ -73,7 +78,7 @@ class BlockAllocator:
         for block in blocks:
             refs = self._refs[block]
             if refs <= 0:
-                raise KVCacheFullError(f"block {block} freed more often than it was taken")
+                raise KVBlockRefError(f"block {block} freed more often than it was taken")
             self._refs[block] = refs - 1
             if refs == 1:
                 if block in self._digest_of:
@@ -84,7 +89,7 @@ class BlockAllocator:
     def share(self, block: int) -> None:
         """One more holder of a held ``block`` (a forked sample reading its parent's prompt)."""
         if self._refs[block] <= 0:
-            raise KVCacheFullError(f"block {block} is shared but nobody holds it")
+            raise KVBlockRefError(f"block {block} is shared but nobody holds it")
         self._refs[block] += 1
 
     def peek(self, digest: bytes) -> Optional[int]:

@@ -95,10 +95,6 @@ class PagedKVCache:
     def total_bytes(self) -> int:
         return self.num_blocks * self.bytes_per_block
 
-    @property
-    def used_bytes(self) -> int:
-        return self.allocator.num_used * self.bytes_per_block
-
     def note_usage(self) -> None:
         self.peak_blocks_used = max(self.peak_blocks_used, self.allocator.num_used)
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Optional
 
 import torch
 
 from pool.device import default_device, parse_dtype
+from pool.sources.hub import is_hub_repo_id
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
@@ -27,7 +27,7 @@ def resolve_model_path(base_model: str, revision: Optional[str] = None) -> Path:
     local = Path(base_model).expanduser()
     if local.is_dir():
         return local.resolve()
-    if not re.fullmatch(r"[\w.-]+/[\w.-]+", base_model):
+    if not is_hub_repo_id(base_model):
         raise BaseModelError(f"base_model {base_model!r} is not 'demo', an existing folder, or a hub repo id")
     from huggingface_hub import snapshot_download
 

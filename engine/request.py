@@ -25,7 +25,6 @@ class GenerateRequest:
     top_p: float = 1.0
     seed: Optional[int] = None  # choice i of n samples with seed + i
     stop: Union[str, list[str], None] = None
-    stream: bool = False
     n: int = 1                                  # parallel samples of one prompt (prefilled once)
     logprobs: Optional[int] = None              # None: none; k: the chosen token's and the top k (0..20)
     prompt_logprobs: Optional[int] = None       # the same for each prompt token (echo); allows max_tokens 0

@@ -11,9 +11,9 @@ at the repository root, the one source of truth for the GPU Serve config, copied
 Kubernetes must let a pod drain as long as Serve lets a replica finish, or a scale-down cuts
 generations short: the worker pods' ``preStop`` asks Ray to drain the node (Serve then starts
 the node's replicas elsewhere and stops these gracefully), waits for them up to the deployments'
-largest ``graceful_shutdown_timeout_s``, then stops Ray; every pod's
-``terminationGracePeriodSeconds`` is that timeout plus ``PRESTOP_MARGIN_S``. Both are rendered
-from the Serve config, so they cannot drift from it.
+largest graceful shutdown (the workers': ``request_timeout_s`` plus a margin, as ``build_fleet``
+derives it), then stops Ray; every pod's ``terminationGracePeriodSeconds`` is that timeout plus
+``PRESTOP_MARGIN_S``. Both are rendered from the Serve config, so they cannot drift from it.
 """
 
 from __future__ import annotations
@@ -62,18 +62,27 @@ def _strip_leading_comments(lines: list[str]) -> list[str]:
 
 
 def drain_seconds(source_text: str) -> int:
-    """The longest ``graceful_shutdown_timeout_s`` of the Serve config's deployments (whole seconds, up);
-    a deployment whose timeout is shorter than its application's ``request_timeout_s`` is an error
-    (Serve would cut off requests the ingress still waits for)."""
+    """The longest graceful shutdown of the Serve config's deployments (whole seconds, up). A lorafleet
+    app's LoRAWorker and ingress drain as ``build_fleet`` derives it from ``request_timeout_s``
+    (``deployments.derived_options``); a config that sets it to anything else is an error here, as at deploy."""
+    from deployments.config import AppArgs
+    from deployments.derived_options import DRAINED_DEPLOYMENTS, graceful_shutdown_s
+
     config = yaml.safe_load(source_text) or {}
     longest = 0.0
     for app in config.get("applications") or []:
-        timeout = float((app.get("args") or {}).get("request_timeout_s", 0))
+        ours = app.get("import_path") == "deployments.app:build_app"
+        derived = graceful_shutdown_s(AppArgs(**(app.get("args") or {})).request_timeout_s) if ours else None
+        if derived is not None:
+            longest = max(longest, derived)
         for deployment in app.get("deployments") or []:
             graceful = float(deployment.get("graceful_shutdown_timeout_s", SERVE_DEFAULT_GRACEFUL_S))
-            if deployment.get("name") in ("LoRAWorker", "LoRAFleetIngress") and graceful < timeout:
-                raise RenderError(f"{app.get('name')}/{deployment.get('name')}: graceful_shutdown_timeout_s "
-                                  f"{graceful:g} < request_timeout_s {timeout:g}")
+            if derived is not None and deployment.get("name") in DRAINED_DEPLOYMENTS:
+                if "graceful_shutdown_timeout_s" in deployment and graceful != derived:
+                    raise RenderError(f"{app.get('name')}/{deployment.get('name')}: graceful_shutdown_timeout_s "
+                                      f"{graceful:g} contradicts the {derived:g} build_fleet derives "
+                                      f"(request_timeout_s + margin); leave it out")
+                continue
             longest = max(longest, graceful)
     if longest <= 0:
         raise RenderError("the Serve config names no deployment to drain")

@@ -8,29 +8,24 @@ Every test is marked ``ray`` (it uses the ``ray_cluster`` fixture, directly or t
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import tempfile
-import time
-import urllib.error
-import urllib.request
-import warnings
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 
+from testkit.ports import HOST, REUSE_PORT_ENV, reserve_port
+from testkit.serve_cluster import start_serve
+
 sys.path.insert(0, str(Path(__file__).parent))  # tests' helper modules
 
-from waiting import wait_until  # noqa: E402  (a helper module of tests/, found through the line above)
 
 ADMIN_TOKEN = "test-admin-token"
-HOST = "127.0.0.1"
 FLEET_APP = "lorafleet"
 FLEET_ARGS = dict(max_loras_per_batch=3, max_lora_rank=16, max_batch_size=4, max_tokens_limit=64,
                   max_model_len=256, host_cache_bytes=64 << 20)
 CLUSTER_FIXTURE = "ray_cluster"
-SERVE_START_DEADLINE_S = 300.0  # Serve waits 60 s for its HTTP proxy; a starved machine can need longer
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -65,18 +60,8 @@ def demo_assets(demo_root):
 
 @pytest.fixture(scope="session")
 def http_port() -> Iterator[int]:
-    """A port for Serve's HTTP proxy, held by this process for the whole session.
-
-    Ray 2.60's proxy binds whatever port it is given (0 included) but reports only the
-    configured number, so the bound port of ``port=0`` cannot be learnt. Instead this
-    socket takes a free port from the kernel with SO_REUSEPORT and keeps it bound (never
-    listening): no other program can take the port, while the proxy, which binds with
-    SO_REUSEPORT too (``SERVE_SOCKET_REUSE_PORT_ENABLED``), shares it and alone accepts.
-    """
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((HOST, 0))
+    """A port for Serve's HTTP proxy, held by this process for the whole session (``testkit.ports``)."""
+    sock = reserve_port()
     try:
         yield sock.getsockname()[1]
     finally:
@@ -90,7 +75,7 @@ def ray_cluster(demo_root, http_port):
     from ray import serve
 
     os.environ["LORAFLEET_ADMIN_TOKEN"] = ADMIN_TOKEN
-    os.environ["SERVE_SOCKET_REUSE_PORT_ENABLED"] = "1"  # the proxy shares http_port's reservation
+    os.environ.update(REUSE_PORT_ENV)  # the proxy shares http_port's reservation
     # no metrics port given: Ray's agent binds a free one and publishes it in the node table
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
              _system_config={"metrics_report_interval_ms": 1000})
@@ -98,38 +83,6 @@ def ray_cluster(demo_root, http_port):
     yield ray
     serve.shutdown()
     ray.shutdown()
-
-
-def start_serve(http_port: int) -> None:
-    """``serve.start``, given until our own deadline rather than Serve's 60 s for the HTTP proxy.
-
-    When Serve's wait times out, its controller lives on and keeps starting the proxy: the next
-    ``serve.start`` connects to that controller, and we then wait for the proxy to answer.
-    """
-    from ray import serve
-
-    deadline = time.monotonic() + SERVE_START_DEADLINE_S
-    while True:
-        try:
-            serve.start(http_options={"host": HOST, "port": http_port})
-            break
-        except TimeoutError as exc:
-            if time.monotonic() >= deadline:
-                raise
-            warnings.warn(f"serve.start: {exc}; retrying until {SERVE_START_DEADLINE_S:g} s have passed")
-    wait_until(lambda: proxy_answers(http_port), max(1.0, deadline - time.monotonic()), "Serve's HTTP proxy to answer",
-               interval_s=0.5)
-
-
-def proxy_answers(http_port: int) -> bool:
-    """Whether Serve's proxy answers HTTP at all (with no app deployed yet it answers 503)."""
-    try:
-        with urllib.request.urlopen(f"http://{HOST}:{http_port}/-/routes", timeout=5):
-            return True
-    except urllib.error.HTTPError:
-        return True
-    except OSError:  # refused, reset or timed out: not up yet
-        return False
 
 
 @pytest.fixture(scope="session")

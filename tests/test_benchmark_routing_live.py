@@ -58,7 +58,7 @@ def test_multi_router_loads_compare_with_the_same_row_of_one_router():
 
 
 def test_clients_split_the_trace_and_the_concurrency_evenly():
-    from benchmarks.live.clients import shares, split
+    from testkit.clients import shares, split
 
     assert split(list(range(7)), 3) == [[0, 3, 6], [1, 4], [2, 5]]
     assert shares(64, 3) == [22, 21, 21] and shares(1, 1) == [1]

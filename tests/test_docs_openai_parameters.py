@@ -69,10 +69,11 @@ def test_every_openai_parameter_is_documented_ignored_or_refused_by_name(endpoin
         assert err.value.param == name
 
 
-# documented parameter -> (a non-default value, the GenerateRequest field it must set, expected value)
+# documented parameter -> (a non-default value, the GenerateRequest field it must set, expected value);
+# `stream` picks the worker's method (generate_stream), not a field: test_streaming_completions_and_chat covers it
 EFFECTS = {
     "max_tokens": (7, "max_tokens", 7), "temperature": (0.5, "temperature", 0.5), "top_p": (0.5, "top_p", 0.5),
-    "seed": (3, "seed", 3), "stop": (["x"], "stop", ["x"]), "stream": (True, "stream", True), "n": (3, "n", 3),
+    "seed": (3, "seed", 3), "stop": (["x"], "stop", ["x"]), "n": (3, "n", 3),
     "presence_penalty": (1.0, "presence_penalty", 1.0), "frequency_penalty": (-1.0, "frequency_penalty", -1.0),
     "repetition_penalty": (1.2, "repetition_penalty", 1.2), "min_tokens": (2, "min_tokens", 2),
     "stop_token_ids": ([5], "stop_token_ids", [5]), "ignore_eos": (True, "ignore_eos", True),

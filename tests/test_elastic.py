@@ -19,9 +19,9 @@ from fleet_helpers import live_replicas, real_pool, view_replicas
 from ray import serve
 from waiting import wait_until
 
-from benchmarks.elastic import APP, autoscaling, pin_one_per_replica, running_workers
 from engine.request import GenerateRequest
 from routing.pins import pin_holders
+from testkit.elastic import APP, autoscaling, pin_one_per_replica, running_workers
 
 DEMO = [f"demo-{i}" for i in range(6)]
 SLOTS = 3

@@ -118,7 +118,7 @@ def test_three_routers_load_no_more_than_one(fleet, ray_cluster):
     trace, a working set that fits the slots loads (after warm-up) no more than with one router."""
     import ray
 
-    from benchmarks.live.clients import LoadClient, shares, split
+    from testkit.clients import LoadClient, shares, split
     from conftest import FLEET_APP
 
     live_replicas(2)

@@ -16,9 +16,10 @@ import httpx
 import pytest
 
 from conftest import ADMIN_TOKEN, FLEET_ARGS
-from benchmarks.local_s3 import LocalS3Server, s3_client, upload_folder
 from test_metrics import scrape, total
 from waiting import wait_until
+
+from testkit.local_s3 import LocalS3Server, s3_client, upload_folder
 
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 APP = "sources"

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from engine.attention import TorchPagedAttention, choose_backend, make_attention
 from engine.attention_layout import StepLayout
-from engine.block_allocator import BlockAllocator, KVCacheFullError, block_digest
+from engine.block_allocator import BlockAllocator, KVBlockRefError, KVCacheFullError, block_digest
 from engine.kv_cache import PagedKVCache, kv_budget_bytes, kv_bytes_per_token
 
 
@@ -22,8 +22,10 @@ def test_allocate_and_free_count_blocks_and_refuse_when_empty():
         a.allocate()
     a.free([blocks[1]])
     assert a.num_free == 1 and a.allocate() == blocks[1]
-    with pytest.raises(KVCacheFullError):
-        a.free([blocks[0], blocks[0]])  # freed more often than taken
+    with pytest.raises(KVBlockRefError):
+        a.free([blocks[0], blocks[0]])  # freed more often than taken: a refcount bug, not a full cache
+    with pytest.raises(KVBlockRefError):
+        a.share(blocks[0])  # nobody holds it any more
 
 
 def test_blocks_for_rounds_up():

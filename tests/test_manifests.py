@@ -26,6 +26,9 @@ import pytest
 import yaml
 from metric_names import RAY_PREFIX, defined_metrics, of_kind, prometheus_series
 
+from deployments.derived_options import DERIVED_FROM
+from pool.sources.hub import is_hub_repo_id
+
 REPO = Path(__file__).resolve().parents[1]
 MANIFESTS = REPO / "manifests"
 CRD_PATH = REPO / "tests" / "data" / "kuberay" / "ray.io_rayservices.yaml"
@@ -167,15 +170,16 @@ def test_rayservice_gpu_layout_ports_prestop_and_secrets():
 
 
 def test_pods_drain_as_long_as_serve_lets_replicas_finish():
-    """Each pod's grace period covers the longest graceful shutdown in the Serve config plus the margin, and
-    the worker pods' preStop drains the node with that deadline, waits for the replicas, then stops Ray."""
+    """Each pod's grace period covers the workers' graceful shutdown (as build_fleet derives it) plus the margin,
+    and the worker pods' preStop drains the node with that deadline, waits for the replicas, then stops Ray."""
+    from deployments.derived_options import graceful_shutdown_s
     from manifests.render import PRESTOP_MARGIN_S
 
     rs = rayservice()
     config = yaml.safe_load(rs["spec"]["serveConfigV2"])
     (app,) = config["applications"]
-    graceful = max(d["graceful_shutdown_timeout_s"] for d in app["deployments"] if "graceful_shutdown_timeout_s" in d)
-    assert graceful >= app["args"]["request_timeout_s"]
+    graceful = graceful_shutdown_s(app["args"]["request_timeout_s"])
+    assert graceful > app["args"]["request_timeout_s"]
     for role, group, container in ray_containers(rs):
         assert group["template"]["spec"]["terminationGracePeriodSeconds"] >= graceful + PRESTOP_MARGIN_S, role
     for group in rs["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
@@ -186,13 +190,13 @@ def test_pods_drain_as_long_as_serve_lets_replicas_finish():
         assert wait.startswith(f"timeout {int(graceful)} ") and "ServeReplica" in wait and stop == "ray stop"
 
 
-def test_render_refuses_a_graceful_shutdown_shorter_than_the_request_timeout():
+def test_render_refuses_a_graceful_shutdown_that_contradicts_the_derived_one():
     from manifests.render import SOURCE, TEMPLATE, RenderError, render, render_files
 
     source = SOURCE.read_text(encoding="utf-8")
-    short = source.replace("graceful_shutdown_timeout_s: 330", "graceful_shutdown_timeout_s: 10", 1)
+    short = source.replace("      - name: LoRAWorker\n", "      - name: LoRAWorker\n        graceful_shutdown_timeout_s: 10\n", 1)
     assert short != source
-    with pytest.raises(RenderError, match="graceful_shutdown_timeout_s 10 < request_timeout_s 300"):
+    with pytest.raises(RenderError, match="graceful_shutdown_timeout_s 10 contradicts the 310 build_fleet derives"):
         render(TEMPLATE.read_text(encoding="utf-8"), short)
     assert render_files()   # the real sources still render
 
@@ -316,16 +320,11 @@ def test_serve_config_validates_with_ray_schema_and_app_args(name):
         assert app["import_path"] == "deployments.app:build_app"
         args = AppArgs(**app["args"])  # extra keys forbidden
         assert isinstance(build_app(app["args"]), Application)  # binds the graph; loads no model
-        (worker,) = [d for d in app["deployments"] if d["name"] == "LoRAWorker"]
-        assert worker["max_ongoing_requests"] == args.max_batch_size, "spill only when the batch is really full"
-        router = worker["request_router_config"]
-        assert router["request_router_class"] == "routing.ray_router:AdapterAffinityRouter"
-        assert router.get("request_router_kwargs", {}) == args.router_kwargs()
         names = [a.name for a in args.startup_adapters()]
         assert len(names) == len(set(names))
-        for deployment in app["deployments"]:   # a drain must outlast the longest request it may cut
-            if deployment["name"] in ("LoRAWorker", "LoRAFleetIngress"):
-                assert deployment.get("graceful_shutdown_timeout_s", 20) >= args.request_timeout_s, deployment["name"]
+        for deployment in app["deployments"]:   # written once: build_fleet derives these from the args
+            restated = {path.split(".")[0] for path in DERIVED_FROM} & set(deployment)
+            assert not restated, f"{name}: {deployment['name']} restates {restated}"
 
 
 def test_gpu_serve_config_is_production_shaped():
@@ -334,9 +333,9 @@ def test_gpu_serve_config_is_production_shaped():
     config = yaml.safe_load((REPO / "serve_config.gpu.yaml").read_text(encoding="utf-8"))
     (app,) = config["applications"]
     args = AppArgs(**app["args"])
-    assert re.fullmatch(r"[\w.-]+/[\w.-]+", args.base_model) and "8B" in args.base_model
+    assert is_hub_repo_id(args.base_model) and "8B" in args.base_model
     assert args.dtype == "bfloat16"
-    assert args.adapters and all(re.fullmatch(r"[\w.-]+/[\w.-]+", a.source) for a in args.adapters)
+    assert args.adapters and all(is_hub_repo_id(a.source) for a in args.adapters)
     (worker,) = [d for d in app["deployments"] if d["name"] == "LoRAWorker"]
     assert worker["ray_actor_options"]["num_gpus"] == 1 and max_worker_replicas(worker) >= 2
 
@@ -346,7 +345,7 @@ def test_key_walker_finds_misspelt_keys_that_ray_accepts():
     config["http_option"] = {}
     deployment = config["applications"][0]["deployments"][0]
     deployment["ray_actor_options"]["num_gpu"] = 1
-    deployment["request_router_config"]["request_router_kwarg"] = {}
+    deployment["request_router_config"] = {"request_router_kwarg": {}}
     deployment["max_ongoing_request"] = 3
     from ray.serve.schema import ServeDeploySchema
 

@@ -1,10 +1,6 @@
-"""The README's commands are what CI runs; serve_config.yaml's args validate."""
+"""The README's commands are what CI runs (serve configs are checked in tests/test_manifests.py)."""
 
 from pathlib import Path
-
-import yaml
-
-from deployments.config import AppArgs
 
 REPO = Path(__file__).parents[1]
 
@@ -22,10 +18,3 @@ def test_readme_opens_with_run_and_test_commands_and_ci_runs_the_test_one():
     ci = (REPO / ".ci" / "run").read_text().splitlines()
     assert test in ci
 
-
-def test_serve_config_args_validate():
-    config = yaml.safe_load((REPO / "serve_config.yaml").read_text())
-    for app in config["applications"]:
-        args = AppArgs(**app["args"])
-        worker = next(d for d in app["deployments"] if d["name"] == "LoRAWorker")
-        assert worker["max_ongoing_requests"] == args.max_batch_size

@@ -18,7 +18,7 @@ from pool.errors import SourceUnavailableError
 from pool.sources import NodeDownloadCache
 from waiting import wait_until
 
-from benchmarks.local_s3 import LocalS3Server, s3_client, upload_folder
+from testkit.local_s3 import LocalS3Server, s3_client, upload_folder
 
 REPO = Path(__file__).parents[1]
 

@@ -24,7 +24,7 @@ from pool.shapes import LoRAModelShape
 from pool.sources import SourcePolicy, parse_object_url, resolve_adapter_source, validate_object_store_prefixes
 from pool.store import AdapterStore
 
-from benchmarks.local_s3 import LocalS3Server, s3_client, upload_folder
+from testkit.local_s3 import LocalS3Server, s3_client, upload_folder
 
 BUCKET = "adapters"
 

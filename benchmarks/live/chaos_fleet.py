@@ -1,9 +1,7 @@
 """The chaos benchmark's own Ray cluster and lorafleet app: start it, find its replicas, kill them, read them.
 
-The HTTP proxy's port is reserved the way the tests reserve theirs: a socket bound with
-SO_REUSEPORT (never listening) holds a free port for the whole run, and the proxy, which
-binds with SO_REUSEPORT too (``SERVE_SOCKET_REUSE_PORT_ENABLED``), shares it and alone
-accepts, so no other program can take the port between choosing and binding it.
+The HTTP proxy's port is reserved the way the tests reserve theirs (``testkit.ports``), so no
+other program can take the port between choosing and binding it.
 Replica processes are found in the GCS actor table (name ``SERVE_REPLICA::<app>#<deployment>#<id>``,
 with its pid), which works without the dashboard.
 """
@@ -11,45 +9,26 @@ with its pid), which works without the dashboard.
 from __future__ import annotations
 
 import os
-import socket
 import time
 from dataclasses import dataclass
 from typing import Optional
 
 import psutil
 
-HOST = "127.0.0.1"
+from testkit.ports import REUSE_PORT_ENV
+from testkit.serve_cluster import start_serve
+
 REPLICA_PREFIX = "SERVE_REPLICA::"
-
-
-def reserve_port() -> socket.socket:
-    """A socket holding a free port (``.getsockname()[1]``) that Serve's proxy can share; close it at the end."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((HOST, 0))
-    return sock
 
 
 def start_cluster(port: int, num_cpus: int) -> None:
     """A local Ray cluster and Serve with its HTTP proxy on ``port`` (the env is set first so workers inherit it)."""
     import ray
-    from ray import serve
 
-    os.environ["SERVE_SOCKET_REUSE_PORT_ENABLED"] = "1"
+    os.environ.update(REUSE_PORT_ENV)
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
              configure_logging=False)
-    serve.start(http_options={"host": HOST, "port": port})
-
-
-def stop_cluster() -> None:
-    import ray
-    from ray import serve
-
-    try:
-        serve.shutdown()
-    finally:
-        ray.shutdown()
+    start_serve(port)
 
 
 def deploy(app: str, workers: int, app_args) -> None:

@@ -55,8 +55,8 @@ class EmulatedLoRAWorker(LoRAWorker.func_or_class):
     goes through ``MultiplexedAdapters`` (Serve's multiplexed loader and LRU over this engine), the
     rest through the product's path; ``fleet_live`` runs one after the other, pools emptied between."""
 
-    async def __init__(self, args: dict, directory=None):
-        await super().__init__(args, directory)
+    async def __init__(self, args: dict, directory=None, derived: Optional[dict] = None):
+        await super().__init__(args, directory, derived)
         self.emulation = _install(self.engine)
         self.mux = MultiplexedAdapters(self.engine, self.args, self.args.max_loras_per_batch)
         self.get_adapter = self.mux.get_adapter  # where Serve looks for the multiplexed function

@@ -76,8 +76,8 @@ class InjectedLoadCost:
 class LoadCostLoRAWorker(LoRAWorker.func_or_class):
     """The product's worker with injected load costs (deployed under the same name, ``LoRAWorker``)."""
 
-    async def __init__(self, args: dict, directory=None):
-        await super().__init__(args, directory)
+    async def __init__(self, args: dict, directory=None, derived: Optional[dict] = None):
+        await super().__init__(args, directory, derived)
         self.injected = InjectedLoadCost(self.engine)
 
     def set_injected_load_cost(self, target: Optional[ReplicaTarget], host_s: float, disk_s: float) -> dict:

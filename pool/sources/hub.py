@@ -27,6 +27,7 @@ _REPO_ID_RE = re.compile(r"[\w.-]+/[\w.-]+")
 
 
 def is_hub_repo_id(source: str) -> bool:
+    """Whether ``source`` has a hub repo id's shape (``org/name``); the one definition, for adapters and base models."""
     return bool(_REPO_ID_RE.fullmatch(source))
 
 
