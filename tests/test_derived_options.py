@@ -14,12 +14,12 @@ from deployments.derived_options import (ROUTER, ROUTER_CLASS, DerivedOptionConf
 
 
 def test_worker_options_follow_the_args():
-    parsed = AppArgs(max_batch_size=5, max_queued_requests=40, request_timeout_s=60, load_bound_epsilon=0.5)
+    parsed = AppArgs(max_batch_size=5, max_queued_requests=40, request_timeout_s=60, routing={"tie_epsilon": 0.5})
     options = worker_options(parsed)
     assert options["max_ongoing_requests"] == 5 and options["max_queued_requests"] == 40
     assert options["graceful_shutdown_timeout_s"] == graceful_shutdown_s(60) > 60   # a drain outlasts a request
     assert options[ROUTER].request_router_class == ROUTER_CLASS
-    assert options[ROUTER].request_router_kwargs == parsed.router_kwargs()
+    assert options[ROUTER].request_router_kwargs == parsed.router_kwargs() == {"tie_epsilon": 0.5}
 
 
 def serve_config(**options) -> DeploymentConfig:
