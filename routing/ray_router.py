@@ -326,9 +326,12 @@ class AdapterAffinityRouter(RequestRouter):
             self._poll_thread.start()
 
     def _poll_directory(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Long-poll the directory, paced by traffic: the next poll waits for ``requests_per_poll``
-        routed requests (or ``poll_timeout_s`` when idle), so the feed's cost per request stays
-        bounded whatever the request rate; a poll returns at once when the view has moved."""
+        """Long-poll the directory, paced by traffic: under traffic the next poll waits for
+        ``requests_per_poll`` routed requests (or ``poll_timeout_s``), so the feed's cost per request
+        stays bounded whatever the request rate. An idle router keeps a long poll outstanding: it costs
+        one call per change (at most one per ``min_poll_interval_s``) or per ``poll_timeout_s``, and a
+        plan change made while idle (a newly registered adapter's placement) reaches the router before
+        the first request for it, instead of up to ``poll_timeout_s`` later."""
         from ray import serve
 
         s = self.settings
@@ -336,9 +339,13 @@ class AdapterAffinityRouter(RequestRouter):
         version = -1
         exported = last_poll = time.monotonic() - s.poll_timeout_s  # the first poll goes out at once
         while not loop.is_closed():
-            # sleep until traffic makes a poll due (on_request_routed sets the event) or the idle period ends
-            self._feed_due.wait(max(0.0, min(last_poll + s.poll_timeout_s, exported + s.metrics_export_interval_s)
-                                    - time.monotonic()))
+            # under traffic, sleep until it makes a poll due (on_request_routed sets the event) or the period ends;
+            # idle (nothing routed since the last poll), poll again at once: the long poll itself waits for a change
+            if self._routed != self._routed_at_poll:
+                self._feed_due.wait(max(0.0, min(last_poll + s.poll_timeout_s,
+                                                 exported + s.metrics_export_interval_s) - time.monotonic()))
+            else:
+                self._feed_due.set()
             now = time.monotonic()
             if now - exported >= s.metrics_export_interval_s:
                 exported = now

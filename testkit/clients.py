@@ -73,8 +73,6 @@ class LoadClient:
 
     def decisions(self) -> dict:
         """This process's router's decision counts (our router only; empty for Serve's)."""
-        from .processes import router_decisions
-
         return router_decisions(self.handle)
 
 
@@ -86,3 +84,13 @@ def split(items: list, parts: int) -> list[list]:
 def shares(total: int, parts: int) -> list[int]:
     """``total`` split into ``parts`` near-equal integers, larger first."""
     return [total // parts + (1 if k < total % parts else 0) for k in range(parts)]
+
+
+def router_decisions(handle) -> dict:
+    """The decision counts by kind of the router behind ``handle`` in this process (the affinity router keeps them;
+    Serve's routers do not: empty). Read through Serve's private attributes: benchmarks only."""
+    try:
+        router = handle._router._asyncio_router._request_router
+    except AttributeError:
+        return {}
+    return dict(getattr(router, "decisions", {}))

@@ -59,12 +59,3 @@ class CpuMeter:
     def stop(self) -> dict[str, float]:
         return {role: cpu_seconds(pids) - self._before.get(role, 0.0) for role, pids in self.roles.items()}
 
-
-def router_decisions(handle) -> dict:
-    """The decision counts by kind of the router behind ``handle`` in this process (the affinity router keeps them;
-    Serve's routers do not: empty). Read through Serve's private attributes: benchmarks only."""
-    try:
-        router = handle._router._asyncio_router._request_router
-    except AttributeError:
-        return {}
-    return dict(getattr(router, "decisions", {}))

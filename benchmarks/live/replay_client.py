@@ -30,7 +30,7 @@ class ReplayClient:
 
     def decisions(self) -> dict:
         """This process's router's decision counts by kind (the affinity router only; empty for Serve's)."""
-        from .processes import router_decisions
+        from testkit.clients import router_decisions
 
         return router_decisions(self.handle)
 
