@@ -200,6 +200,22 @@ def wins_table(rows: Sequence[dict]) -> tuple[list[dict], dict[str, dict[str, in
     return table, counts
 
 
+def pareto_settings(rows: Sequence[dict], tol: float = 0.05) -> tuple[int, int]:
+    """Settings where affinity is within ``tol`` of the best other router on both loads and p99 TTFT at once
+    (one policy that wins on one and loses on the other does not count), and how many settings there are."""
+    won = total = 0
+    for experiment in ("fleet", "skew", "load", "cv"):
+        for group in _groups(rows, experiment).values():
+            ours = [r for r in group if r["router"] == "affinity"]
+            peers = [r for r in group if r["router"] != "affinity"]
+            if not ours or not peers:
+                continue
+            total += 1
+            a = ours[0]
+            won += all(a[key] <= min(p[key] for p in peers) * (1 + tol) + 1e-12 for key in ("loads", "ttft_p99"))
+    return won, total
+
+
 def markdown_wins(table: Sequence[dict], counts: dict[str, dict[str, int]], affinity_vs_ll: Sequence[dict]) -> str:
     titles = ["setting"] + [t for _, t in WIN_METRICS]
     lines = ["| " + " | ".join(titles) + " |", "|" + "---|" * len(titles)]
@@ -458,6 +474,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     goals.append(common.goal("sim_decision_median_us_1024_replicas", round(big[0]["median_us"], 1) if big else None,
                              "<= 20", big[0]["median_us"] <= 20 if big else None))
     settings_won = len(table)
+    pareto, pareto_of = pareto_settings(rows)
+    goals.append(common.goal("sim_pareto_settings", pareto, f">= 8 of {pareto_of} (within 5% of the best peer on "
+                                                            "loads and p99 TTFT at once)",
+                             pareto >= 8 if pareto_of else None))
     for name, key, need in (("sim_fewest_loads_settings", "loads", 8), ("sim_lowest_p99_ttft_settings", "ttft_p99", 7)):
         won = counts["affinity"][key]
         goals.append(common.goal(name, won, f">= {need} of {settings_won}", won >= need if settings_won else None))

@@ -196,3 +196,15 @@ def test_the_multiplexing_router_routes_on_pushed_model_ids_in_both_loops():
     sim = Simulator(small_trace(n=300), SimConfig(replicas=4, router="multiplex"))
     sim.run()
     assert sim.router.kinds.get("holder", 0) > 0
+
+
+def test_a_pareto_setting_needs_affinity_near_the_best_peer_on_loads_and_tail_at_once() -> None:
+    from benchmarks.cluster_sim import pareto_settings
+
+    def row(alpha, router, loads, p99):
+        return {"experiment": "skew", "alpha": alpha, "router": router, "loads": loads, "ttft_p99": p99}
+
+    rows = [row(0.1, "affinity", 100, 1.0), row(0.1, "hash", 98, 1.2),      # within 5% on loads, best p99: counts
+            row(0.6, "affinity", 50, 2.0), row(0.6, "multiplex", 90, 1.0),  # fewest loads but a worse tail: no
+            row(1.0, "affinity", 120, 1.0), row(1.0, "least_loaded", 100, 1.0)]  # tail tied, loads 20% more: no
+    assert pareto_settings(rows) == (1, 3)
