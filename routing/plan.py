@@ -188,8 +188,8 @@ class FleetPlanner:
         spare = 1 if wanted_copies > sum(r.slots for r in replicas) else 0
         budget = [max(0, r.slots - spare) for r in replicas]
         worth = worth if worth is not None else need
-        load = [0.0] * n    # planned need (short window): where a new placement goes
-        steady = [0.0] * n  # planned long-window need: whether a replica is overloaded (noise moves nothing)
+        load = [0.0] * n    # planned short-window need: which replicas the plan keeps busy (``_busy``)
+        steady = [0.0] * n  # planned long-window need: where placements go and what sheds (noise moves nothing)
         chosen: dict[str, list[int]] = {}
         for name in sorted(pinned_on):  # pins hold their slots wherever they are pinned
             copies = max(1, counts.get(name, 1))
@@ -240,31 +240,30 @@ class FleetPlanner:
             there, loaded on demand). Without this, slots planned before any demand was measured
             (every registered adapter at start-up) keep their budget for good and a hot adapter never
             gets a second holder."""
-            best, best_key = None, None
+            best = None  # (cost, replica, its victim)
             for i in range(n):
                 if i in picked or not slotted[i] or steady[i] + steady_share[name] > overloaded:
                     continue  # (never onto a replica it would overload: it would shed it again, a move each way)
                 victim = min(slotted[i], key=lambda a: (slotted[i][a], a))
-                if slotted[i][victim] * cfg.displace_ratio >= value[name]:
-                    continue
-                key = cost(i)
-                if best_key is None or key < best_key:
-                    best, best_key = i, key
-            if best is not None:
-                victim = min(slotted[best], key=lambda a: (slotted[best][a], a))
-                del slotted[best][victim]
-                budget[best] += 1
-            return best
+                if slotted[i][victim] * cfg.displace_ratio < value[name] and (best is None or cost(i) < best[0]):
+                    best = (cost(i), i, victim)
+            if best is None:
+                return None
+            _, i, victim = best
+            del slotted[i][victim]
+            budget[i] += 1
+            return i
 
         # first every planned holder that had a slot keeps it, the most valuable first (so no placement loses its
         # budget to a newcomer, only to one displace_ratio times more valuable), except on a replica that has been
         # overloaded for overload_after_s (or just joined by another): it keeps what fits, and what ``keep`` names.
         # A holder that loaded on demand stays where it is (below) unless a slot is free or it displaces one.
         had_slot = {(a, index[r]) for r, names in self.plan.slotted.items() if r in index for a in names}
+        slots_known = bool(self.plan.slotted)  # a plan from before slots were named: every holder may keep its slot
         for name in sorted(order, key=lambda a: (-value[a], a)):
             picked = chosen.setdefault(name, [])
             for i in sorted(previous.get(name, ()), key=lambda i: replicas[i].replica_id):
-                if (name, i) not in had_slot and self.plan.slotted:
+                if slots_known and (name, i) not in had_slot:
                     continue
                 if len(picked) < counts[name] and budget[i] > 0 and i not in picked and (
                         i not in shedding or steady[i] + steady_share[name] <= overloaded

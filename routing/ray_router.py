@@ -37,7 +37,6 @@ chosen for it.
 from __future__ import annotations
 
 import asyncio
-import bisect
 import logging
 import threading
 import time
@@ -128,7 +127,6 @@ class AdapterAffinityRouter(RequestRouter):
         self._caps: list[float] = []
         self._waiters = OldestFirstWaiters()
         self._waiting: Counter = Counter()  # adapter -> this router's requests waiting for a planned row
-        self._line: list[tuple[float, str]] = []  # (first asked, request id) of the requests waiting, oldest first
         self._kinds: dict[str, str] = {}  # request id -> decision kind, counted when routed
         self._first_seen: dict[str, float] = {}  # request id -> when it first asked for a replica
         self._last_call: tuple[Optional[str], float] = (None, 0.0)
@@ -188,14 +186,14 @@ class AdapterAffinityRouter(RequestRouter):
         counted = False  # this request is in ``_waiting`` (the rows its planned replicas owe it)
         try:
             while True:
-                oldest = counted and self._line[0][1] == request_id
-                decision = self._decide(adapter, time.monotonic() - first_seen, oldest)
+                decision = self._decide(adapter, time.monotonic() - first_seen,
+                                        counted and self._waiters.is_oldest(request_id or ""))
                 if not decision.wait or time.monotonic() >= deadline:
                     break
                 if not counted:
                     counted = True
                     self._waiting[adapter] += 1
-                    bisect.insort(self._line, (first_seen, request_id or ""))
+                    self._waiters.join_line(first_seen, request_id or "")
                 self.decisions["wait"] += 1
                 self.metrics.decision("wait")
                 others = self._others_fill(decision.best)
@@ -211,7 +209,7 @@ class AdapterAffinityRouter(RequestRouter):
                     break
         finally:
             if counted:
-                self._line.remove((first_seen, request_id or ""))
+                self._waiters.leave_line(first_seen, request_id or "")
                 self._waiting[adapter] -= 1
                 if self._waiting[adapter] <= 0:
                     del self._waiting[adapter]

@@ -81,7 +81,9 @@ class RoutingSettings:
     # ---- what a router learns and how often (routing.ray_router, routing.router_state, routing.view)
     view_ttl_s: float = _setting(3.0, "s", FEED,
                                  "a router's own not-yet-reported placements count in its view this long")
-    poll_timeout_s: float = _setting(5.0, "s", FEED, "the directory long poll's period when idle", above=True)
+    poll_timeout_s: float = _setting(5.0, "s", FEED,
+                                     "one directory long poll waits at most this for a change; under traffic, "
+                                     "polls go out at least this often", above=True)
     min_poll_interval_s: float = _setting(0.2, "s", FEED,
                                           "directory polls at most this often (a burst of changes is one rebuild)")
     requests_per_poll: int = _setting(16, "count", FEED,
@@ -170,13 +172,9 @@ class RoutingSettings:
             raise ValueError(f"unknown routing settings {unknown}; known: {sorted(known)}")
         return cls(**values)
 
-    def as_dict(self) -> dict:
-        return asdict(self)
-
     def changed(self) -> dict:
         """Only the settings that differ from the defaults (what a deployment needs to carry)."""
-        default = RoutingSettings()
-        return {k: v for k, v in asdict(self).items() if v != getattr(default, k)}
+        return {k: v for k, v in asdict(self).items() if v != getattr(DEFAULT_SETTINGS, k)}
 
 
 DEFAULT_SETTINGS = RoutingSettings()

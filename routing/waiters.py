@@ -18,6 +18,18 @@ class OldestFirstWaiters:
     def __init__(self) -> None:
         self._waiting: list[tuple[float, int, asyncio.Future]] = []  # sorted by (first seen, arrival)
         self._counter = itertools.count()
+        self._line: list[tuple[float, str]] = []  # (first seen, request id) of every request waiting, asleep or not
+
+    def join_line(self, since: float, request_id: str) -> None:
+        """A request starts waiting for capacity (it stays in line while it decides again between sleeps)."""
+        bisect.insort(self._line, (since, request_id))
+
+    def leave_line(self, since: float, request_id: str) -> None:
+        self._line.remove((since, request_id))
+
+    def is_oldest(self, request_id: str) -> bool:
+        """Whether ``request_id`` heads the line: no request waiting in this router is older."""
+        return bool(self._line) and self._line[0][1] == request_id
 
     def __len__(self) -> int:
         return len(self._waiting)

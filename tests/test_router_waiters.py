@@ -27,3 +27,15 @@ def test_waiters_resume_oldest_first_and_timeouts_leave_the_line():
         assert await waiters.wait(0.0, 0.01) is False  # nothing wakes it: a timeout, not an error
 
     asyncio.run(scenario())
+
+
+def test_the_line_names_the_oldest_waiting_request_whether_asleep_or_deciding():
+    from routing.waiters import OldestFirstWaiters
+
+    waiters = OldestFirstWaiters()
+    assert not waiters.is_oldest("a")
+    waiters.join_line(2.0, "b")
+    waiters.join_line(1.0, "a")
+    assert waiters.is_oldest("a") and not waiters.is_oldest("b")
+    waiters.leave_line(1.0, "a")
+    assert waiters.is_oldest("b")

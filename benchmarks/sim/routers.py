@@ -33,6 +33,7 @@ Every other router backs off like Serve (25 ms doubling to 0.5 s) when it finds 
 
 from __future__ import annotations
 
+import heapq
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Mapping
@@ -120,6 +121,7 @@ class AffinityRouter(_ViewRouter):
         self.caps = [float(sim.max_ongoing)] * len(sim.ids)
         self.waiting: Counter = Counter()  # adapter -> requests waiting for a planned row (as the live router)
         self._counted: set[int] = set()
+        self._line: list[int] = []  # waiting requests by arrival (a lazy heap: routed ones are dropped when on top)
 
     def replicas_changed(self):
         self.caps = [float(self.sim.max_ongoing)] * len(self.sim.ids)
@@ -132,12 +134,13 @@ class AffinityRouter(_ViewRouter):
                                    active=local.active_by_index(ids), demand=local.demand,
                                    last_used=local.last_used_by_index(ids),
                                    batch_slowdown=local.batch_slowdown(), waited_s=now - req.arrival,
-                                   first_in_line=req.i in self._counted and req.i == min(self._counted),
+                                   first_in_line=req.i in self._counted and req.i == self._oldest(),
                                    waiting=self.waiting, full_at=local.full_at_by_index(ids), now=now)
         if not decision.tiers:
             self._count("wait")
             if req.i not in self._counted:
                 self._counted.add(req.i)
+                heapq.heappush(self._line, req.i)
                 self.waiting[req.uid] += 1
             return None
         if req.i in self._counted:
@@ -155,6 +158,12 @@ class AffinityRouter(_ViewRouter):
 
     def finished(self, req):
         self.local.completed(str(req.i))
+
+    def _oldest(self) -> Optional[int]:
+        """The oldest request waiting in this router (as the live router's line)."""
+        while self._line and self._line[0] not in self._counted:
+            heapq.heappop(self._line)
+        return self._line[0] if self._line else None
 
 
 class MultiplexRouter(Router):
