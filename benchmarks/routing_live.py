@@ -256,7 +256,7 @@ def measure_row(variant: Variant, meter, setting: Setting, cost: str, concurrenc
         "workers_cpu_ms": per_request(cpu.get(f"{variant.app}/{variant.deployment}", 0.0)),
         "per_replica": "/".join(str(c) for c in sorted(per_replica.values(), reverse=True)),
         "errors": len(result["errors"]),
-        "spill": decisions.get("spill", 0) if variant.name == "affinity" else None,
+        "spill": decisions.get("spill", 0) + decisions.get("prefill_spill", 0) if variant.name == "affinity" else None,
         "waits": decisions.get("wait", 0) if variant.name == "affinity" else None,
         # JSON only
         "loads": loads, "wall_s": result["wall_s"], "decisions": dict(decisions),

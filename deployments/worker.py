@@ -254,6 +254,7 @@ class LoRAWorker:
         """What routers reconcile their view with every ``request_routing_stats_period_s``."""
         snap = self.engine.pool_snapshot()
         self.load_timings.observe_pool(snap.counters.loads, snap.counters.load_seconds)
+        self.load_timings.observe_prefill(*self.engine.prefill_timed)
         return ReplicaState.from_snapshot(snap, **self._state_extras()).to_dict()
 
     def record_autoscaling_stats(self) -> dict[str, float]:
@@ -303,6 +304,7 @@ class LoRAWorker:
     def _heartbeat(self) -> dict:
         counters = self.engine.pool_snapshot().counters
         self.load_timings.observe_pool(counters.loads, counters.load_seconds)
+        self.load_timings.observe_prefill(*self.engine.prefill_timed)
         busy, self._busy_s = self._busy_s, Counter()
         return {**self._state_extras(), "busy_s": {name: round(s, 4) for name, s in busy.items()},
                 "plan_version": self._plan_version}

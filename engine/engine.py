@@ -91,6 +91,7 @@ class LoRAEngine(StepLoop, EngineReadAPI):
         self.eos_ids = eos_token_ids(tokenizer, model)
         self.tokens_generated = 0
         self.prompt_tokens_computed = 0  # prompt tokens fed to forwards (an n > 1 prompt counts once)
+        self.prefill_timed = (0, 0.0)    # (prompt tokens, seconds) of prefill-heavy steps: routers price prefill by it
         self.token_texts = TokenTexts(tokenizer)
         self._grammar: Optional[GrammarCompiler] = None  # built at the first response_format request
         self._grammar_lock = threading.Lock()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import Future
 from typing import Callable, Optional, TypeVar
 
@@ -28,6 +29,9 @@ from .sequence import Sequence
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+# a step is timed for the prefill rate when its prompt tokens are at least this many: its time is then mostly
+# prefill (a decode row costs about one token's prefill), so seconds / prompt tokens is the rate routers price
+PREFILL_TIMED_MIN_TOKENS = 128
 STAGING_POLL_S = 0.01
 BOUNDARY_WAIT_S = 1.0  # how often a thread waiting on the engine checks that the engine thread still lives
 
@@ -113,11 +117,13 @@ class StepLoop:
         self.scheduler.note_plan(plan)
         inputs = [SeqInput(seq.block_table, seq.token_at(seq.num_computed, seq.num_computed + n), seq.num_computed,
                            slots[seq.uid]) for seq, n in plan]
+        started = time.perf_counter()
         logits = self.runner.forward(inputs)
         self.steps += 1
         planned = [seq for seq, _ in plan]
-        self.prompt_tokens_computed += sum(max(0, min(len(s.prompt_ids), x.start_pos + len(x.token_ids)) - x.start_pos)
-                                           for s, x in zip(planned, inputs))
+        prompt_tokens = sum(max(0, min(len(s.prompt_ids), x.start_pos + len(x.token_ids)) - x.start_pos)
+                            for s, x in zip(planned, inputs))
+        self.prompt_tokens_computed += prompt_tokens
         self._score_prompts(planned, inputs)  # echo: every row this forward fed, chunks included
         # a prefill cut short by the token budget samples nothing yet: its prompt continues next step
         ends = [seq.num_computed + n == seq.num_tokens for seq, n in plan]
@@ -130,6 +136,9 @@ class StepLoop:
         running, logits = fork_ready(running, logits, self._fork)
         finished: list[tuple[Sequence, object]] = []
         tokens = next_tokens(logits, running, self.eos_ids, self._grammar)
+        if prompt_tokens >= PREFILL_TIMED_MIN_TOKENS:  # (sampling synchronized the device: the forward is done)
+            timed_tokens, timed_s = self.prefill_timed
+            self.prefill_timed = (timed_tokens + prompt_tokens, timed_s + time.perf_counter() - started)
         scored = step_logprobs(logits, [s.request.logprobs for s in running], tokens, self.token_texts)
         for seq, token, logprob in zip(running, tokens, scored):
             if token is None:  # a prompt scored, no token asked for

@@ -62,6 +62,25 @@ def request_adapter(pending_request: Optional[PendingRequest]) -> Optional[str]:
     return adapter if isinstance(adapter, str) else None
 
 
+CHARS_PER_TOKEN = 4  # a text prompt's length in tokens, estimated (English BPE averages about four characters)
+
+
+def request_prompt_tokens(request: object) -> int:
+    """The prompt's tokens: counted when the request carries token ids, else estimated from its text
+    (``CHARS_PER_TOKEN``); 0 when there is none. The router prices the prefill a prompt adds to its
+    replica's queue with it, so an estimate within tens of percent is enough and tokenizing here is not."""
+    token_ids = getattr(request, "token_ids", None)
+    if token_ids:
+        return len(token_ids)
+    prompt = getattr(request, "prompt", None)
+    if isinstance(prompt, str):
+        return len(prompt) // CHARS_PER_TOKEN
+    messages = getattr(request, "messages", None) or ()
+    chars = sum(len(m.get("content") or "") for m in messages
+                if isinstance(m, dict) and isinstance(m.get("content"), str))
+    return chars // CHARS_PER_TOKEN
+
+
 class _RouterMetrics:
     """``lorafleet_router_*`` metrics, counted locally and exported periodically.
 
@@ -246,8 +265,9 @@ class AdapterAffinityRouter(RequestRouter):
                                caps=self._caps, request_s=local.request_s_by_index(ids),
                                active=local.active_by_index(ids), demand=local.demand,
                                last_used=local.last_used_by_index(ids), batch_slowdown=local.batch_slowdown(),
-                               waited_s=waited_s, first_in_line=first_in_line, waiting=self._waiting, full_at=local.full_at_by_index(ids),
-                               now=time.monotonic())
+                               waited_s=waited_s, first_in_line=first_in_line, waiting=self._waiting,
+                               full_at=local.full_at_by_index(ids), now=time.monotonic(),
+                               prefill_wait=local.prefill_wait_by_index(ids))
 
     async def _wait_for_capacity(self, since: float, timeout: Optional[float] = None) -> bool:
         """Until a request of ours completes or a replica reports room (True), or ``timeout`` (default
@@ -274,7 +294,9 @@ class AdapterAffinityRouter(RequestRouter):
         rid = replica_id.unique_id
         adapter = request_adapter(pending_request)
         request_id = pending_request.metadata.internal_request_id
-        self.local.routed(request_id, rid, adapter)
+        request = pending_request.args[0] if pending_request.args else None
+        self.local.routed(request_id, rid, adapter, request_prompt_tokens(request),
+                          self.view.prefill_s_per_token(rid) or self.settings.prefill_s_per_token)
         self._routed += 1
         if self._routed - self._routed_at_poll >= self.settings.requests_per_poll:
             self._feed_due.set()

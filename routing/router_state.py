@@ -76,6 +76,23 @@ class ByIndex:
         return len(self.ids)
 
 
+class SecondsLeft:
+    """``max(0, table[ids[i]] - now)`` for index ``i``: a time left per replica, computed only for the
+    replicas a decision looks at (large fleets)."""
+
+    __slots__ = ("ids", "table", "now")
+
+    def __init__(self, ids: Sequence[str], table: Mapping[str, float], now: float):
+        self.ids, self.table, self.now = ids, table, now
+
+    def __getitem__(self, i: int) -> float:
+        end = self.table.get(self.ids[i])
+        return end - self.now if end is not None and end > self.now else 0.0
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
 class LocalRouterState:
     def __init__(self, clock: Callable[[], float] = time.monotonic, settings: RoutingSettings = DEFAULT_SETTINGS,
                  max_tracked: int = 10_000):
@@ -94,6 +111,7 @@ class LocalRouterState:
         self._chosen: dict[str, tuple[str, float]] = {}        # request id -> (replica, expiry)
         self.pending: Counter = Counter()                      # replica -> chosen, not yet in Serve's cache
         self.full_at: dict[str, float] = {}                    # replica -> when it was last seen full
+        self.prefill_end: dict[str, float] = {}                # replica -> when the prompts sent there have prefilled
         self._pruned_at = clock()
 
     # ------------------------------------------------------------------ events
@@ -117,8 +135,14 @@ class LocalRouterState:
                 self._release(rid)
                 return
 
-    def routed(self, request_id: str, replica_id: str, adapter: Optional[str]) -> None:
-        """The replica accepted the request."""
+    def routed(self, request_id: str, replica_id: str, adapter: Optional[str], prompt_tokens: int = 0,
+               prefill_s_per_token: float = 0.0) -> None:
+        """The replica accepted the request: a prompt of ``prompt_tokens`` that it prefills at
+        ``prefill_s_per_token`` (its measured rate, else the settings' prior), after those sent before."""
+        if prompt_tokens > 0 and prefill_s_per_token > 0:
+            now = self._clock()
+            self.prefill_end[replica_id] = max(self.prefill_end.get(replica_id, now), now) + \
+                prompt_tokens * prefill_s_per_token
         if len(self._requests) > self.max_tracked:
             self._requests.clear()
             self.inflight.clear()
@@ -166,7 +190,8 @@ class LocalRouterState:
         return min(1.0, max(0.0, slope / intercept))
 
     def forget_replica(self, replica_id: str) -> None:
-        for table in (self.request_time, self.inflight, self.active, self.pending, self.last_used, self.full_at):
+        for table in (self.request_time, self.inflight, self.active, self.pending, self.last_used, self.full_at,
+                      self.prefill_end):
             table.pop(replica_id, None)
 
     def expire(self) -> None:
@@ -198,6 +223,12 @@ class LocalRouterState:
 
     def full_at_by_index(self, ids: Sequence[str]) -> ByIndex:
         return ByIndex(ids, self.full_at, float("-inf"))
+
+    def prefill_wait_by_index(self, ids: Sequence[str]) -> SecondsLeft:
+        """Per replica, seconds until the prompts this router sent it have prefilled (0 when none are left).
+        An estimate from this router's own sends at the replicas' measured rates: a prompt that finished
+        early (cancelled, or prefilled faster) still counts until its estimated end, never beyond."""
+        return SecondsLeft(ids, self.prefill_end, self._clock())
 
     def request_s_by_index(self, ids: Sequence[str]) -> ByIndex:
         """Measured request time per replica; an unmeasured replica gets the fleet's mean."""

@@ -17,7 +17,8 @@ Each field has one unit, named in its metadata and in the generated table
   replica, so one figure fits a CPU demo and a GPU fleet;
 - ``request times``: multiples of a replica's measured request time;
 - ``replicas``: replicas' worth of load (requests in service over a replica's rows);
-- ``factor``: a ratio of two quantities of the same kind.
+- ``factor``: a ratio of two quantities of the same kind;
+- ``s per token``: seconds per prompt token (a prefill rate).
 
 No Ray here.
 """
@@ -54,6 +55,11 @@ class RoutingSettings:
     host_load_s: float = _setting(0.002, "s", POLICY,
                                   "a host-tier copy into a slot, until the replica reports measured ones")
     disk_load_s: float = _setting(0.05, "s", POLICY, "a read from disk into a slot, until the replica reports one")
+    prefill_s_per_token: float = _setting(1e-4, "s per token", POLICY,
+                                          "a prompt token's prefill, until the replica reports its measured rate "
+                                          "(an 8B model on one datacenter GPU: about 1e-4). The prompt tokens a "
+                                          "router has sent a replica and not yet seen prefilled are a wait before "
+                                          "the first token of every later request there", above=True)
     slot_wait_fraction: float = _setting(0.5, "share", POLICY,
                                          "share of a request time an adapter that cannot join the running batch "
                                          "(no free slot) is expected to wait", maximum=1.0)
@@ -64,8 +70,9 @@ class RoutingSettings:
                                      "an eviction victim asked for within this is counted as in use (its reload "
                                      "is part of a load's cost)")
     spill_margin: float = _setting(2.0, "row waits", POLICY,
-                                   "a planned row's wait must exceed a load elsewhere's whole cost by this before "
-                                   "a request leaves its adapter's planned replicas")
+                                   "a planned replica's wait (for a row, or for the prompts queued ahead of it to "
+                                   "prefill) must exceed the same wait plus a load's whole cost elsewhere by this "
+                                   "before a request leaves its adapter's planned replicas")
     spill_headroom: int = _setting(2, "count", POLICY,
                                    "free rows a spill target must have beyond those its own planned adapters' "
                                    "waiting requests will take")

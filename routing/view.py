@@ -39,6 +39,7 @@ class RouterView:
         self._scores: dict = {}  # rendezvous scores and orders, kept across rebuilds for the same replicas
         self._scores_for: tuple[str, ...] = ()
         self.plan: Optional[PlacementPlan] = None  # the directory's placement plan (routing.plan)
+        self._prefill_mean: tuple[int, Optional[float]] = (-1, None)  # (generation, mean measured prefill rate)
 
     @property
     def plan_version(self) -> int:
@@ -152,6 +153,16 @@ class RouterView:
 
     def queue_len(self, replica_id: str) -> int:
         return int(self.states.get(replica_id, {}).get("queue_len", 0))
+
+    def prefill_s_per_token(self, replica_id: str) -> Optional[float]:
+        """The replica's measured prefill seconds per prompt token; else the mean of those measured; else None."""
+        own = ((self.states.get(replica_id) or {}).get("load_s") or {}).get("prefill")
+        if own:
+            return float(own)
+        if self._prefill_mean[0] != self._generation:  # once per change of the view, not per request
+            known = [float(t) for st in self.states.values() if (t := (st.get("load_s") or {}).get("prefill"))]
+            self._prefill_mean = (self._generation, sum(known) / len(known) if known else None)
+        return self._prefill_mean[1]
 
     # ------------------------------------------------------------------ internals
 

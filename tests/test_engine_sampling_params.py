@@ -186,3 +186,16 @@ def test_n_samples_without_batch_room_queue_and_still_match(demo_assets):
         assert eng.cache.allocator.num_used == 0
     finally:
         eng.shutdown()
+
+
+def test_prefill_heavy_steps_are_timed_for_the_routers_prefill_rate(engine):
+    """A 201-token prompt's prefill step is timed (prompt tokens and seconds, what the worker reports as seconds
+    per token); a short prompt's step, mostly decode overhead, is not."""
+    from engine.step_loop import PREFILL_TIMED_MIN_TOKENS
+
+    tokens, seconds = engine.prefill_timed
+    engine.generate_blocking(GenerateRequest(adapter="demo-0", token_ids=PROMPT, max_tokens=2))
+    assert engine.prefill_timed == (tokens, seconds)  # 13 prompt tokens: not a prefill-heavy step
+    engine.generate_blocking(GenerateRequest(adapter="demo-0", token_ids=[1, *range(40, 240)], max_tokens=2))
+    after_tokens, after_seconds = engine.prefill_timed
+    assert after_tokens - tokens >= PREFILL_TIMED_MIN_TOKENS and after_seconds > seconds

@@ -230,3 +230,52 @@ def test_batch_slowdown_is_fitted_from_request_times_against_the_queue_they_join
             k += 1
     assert s.batch_slowdown() == pytest.approx(0.2, rel=1e-6)
 
+
+
+def test_prompts_sent_to_a_replica_queue_for_prefill_and_the_wait_runs_down_with_time():
+    """Two 1,000-token prompts at 1 ms a token: 2 s of prefill queued; half a second later 1.5 s is left; a
+    prompt sent after the queue ran dry starts from now, not from the old end; forgetting the replica drops it."""
+    clock = Clock()
+    s = LocalRouterState(clock=clock)
+    s.routed("q1", "r0", "a", 1000, 1e-3)
+    s.routed("q2", "r0", "b", 1000, 1e-3)
+    s.routed("q3", "r1", "a", 0, 1e-3)  # no prompt (or no rate): no wait
+    wait = s.prefill_wait_by_index(("r0", "r1", "r2"))
+    assert [wait[i] for i in range(3)] == [pytest.approx(2.0), 0.0, 0.0] and len(wait) == 3
+    clock.now += 0.5
+    assert s.prefill_wait_by_index(("r0",))[0] == pytest.approx(1.5)
+    clock.now += 5
+    s.routed("q4", "r0", "a", 100, 1e-3)
+    assert s.prefill_wait_by_index(("r0",))[0] == pytest.approx(0.1)
+    s.forget_replica("r0")
+    assert s.prefill_wait_by_index(("r0",))[0] == 0.0
+
+
+def test_the_prefill_rate_is_measured_per_replica_and_unmeasured_ones_get_the_fleet_mean():
+    from routing.load_timings import LoadTimings
+
+    t = LoadTimings(alpha=0.5)
+    assert t.report()["prefill"] is None
+    t.observe_prefill(1000, 0.2)
+    t.observe_prefill(1000, 0.2)  # nothing new: unchanged
+    t.observe_prefill(3000, 0.8)  # 2,000 tokens in 0.6 s
+    assert t.report()["prefill"] == pytest.approx(0.0002 + 0.5 * (0.0003 - 0.0002))
+    v = RouterView()
+    v.apply_directory_reply({"epoch": "e", "version": 1, "full": {
+        "r0": state("r0", 1, {}, slots=2, load_s={"host": 0.002, "disk": 0.04, "prefill": 2e-4}),
+        "r1": state("r1", 1, {}, slots=2, load_s={"host": 0.004, "disk": None, "prefill": 4e-4}),
+        "r2": state("r2", 1, {}, slots=2)}})
+    assert v.prefill_s_per_token("r1") == 4e-4 and v.prefill_s_per_token("r2") == pytest.approx(3e-4)
+    assert RouterView().prefill_s_per_token("r0") is None  # nothing measured: the caller's prior
+
+
+def test_a_requests_prompt_tokens_are_counted_or_estimated_from_its_text():
+    from engine.request import GenerateRequest
+    from routing.ray_router import request_prompt_tokens
+
+    assert request_prompt_tokens(GenerateRequest(token_ids=[5] * 700)) == 700
+    assert request_prompt_tokens(GenerateRequest(prompt="x" * 400)) == 100
+    chat = [{"role": "system", "content": "y" * 40}, {"role": "user", "content": "z" * 360},
+            {"role": "user", "content": [{"type": "text", "text": "not counted"}]}]
+    assert request_prompt_tokens(GenerateRequest(messages=chat)) == 100
+    assert request_prompt_tokens(GenerateRequest()) == 0 and request_prompt_tokens(None) == 0

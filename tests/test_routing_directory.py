@@ -138,14 +138,14 @@ def test_load_timings_are_ewmas_of_pool_counters_and_timed_reads_rounded_to_two_
     from routing.load_timings import LoadTimings
 
     t = LoadTimings(alpha=0.5)
-    assert t.report() == {"host": None, "disk": None}
+    assert t.report() == {"host": None, "disk": None, "prefill": None}
     t.observe_pool(0, 0.0)
     t.observe_pool(2, 0.01)            # two loads, 5 ms each
     t.observe_pool(2, 0.01)            # no new loads: unchanged
     t.observe_pool(3, 0.02)            # one load of 10 ms: 5 + 0.5 * (10 - 5)
     t.observe_disk(0.1)
     t.observe_disk(0.2)
-    assert t.report() == {"host": 0.0075, "disk": 0.15}
+    assert t.report() == {"host": 0.0075, "disk": 0.15, "prefill": None}
     with t.disk_read():
         pass
     assert t.disk_s < 0.15

@@ -96,6 +96,23 @@ def test_no_spill_takes_a_row_owed_to_the_targets_own_adapters():
     assert idle.kind == "spill" and idle.tiers == [[1]]
 
 
+def test_a_free_row_behind_a_long_prefill_queue_loses_to_an_idle_replica_elsewhere():
+    """The planned replica has a row, but 2 s of prompts queued ahead of it (a 0.2 s request, 8 rows: the margin
+    is 2 x 0.025 s): an idle replica outside the plan, where a load costs 2 ms, takes it. A queue within the
+    margin, or a load dearer than the wait saved, keeps it on the plan; so does a replica the plan keeps busy."""
+    ids = IDS[:3]
+    v = planned_view({"a": {0}}, {"a": {0}}, ids=ids, host_s=0.002, disk_s=0.002)
+    kw = dict(caps=[8, 8, 8], request_s=[0.2] * 3)
+    moved = choose_replicas("a", v, [1, 2, 0], **kw, prefill_wait=[2.0, 0.5, 0.0])
+    assert moved.kind == "prefill_spill" and moved.tiers == [[2]]
+    assert choose_replicas("a", v, [1, 2, 0], **kw, prefill_wait=[0.04, 0.0, 0.0]).tiers == [[0]]
+    dear = planned_view({"a": {0}}, {"a": {0}}, ids=ids, host_s=3.0, disk_s=3.0)
+    assert choose_replicas("a", dear, [1, 2, 0], **kw, prefill_wait=[2.0, 0.5, 0.0]).tiers == [[0]]
+    v.busy = frozenset({2})
+    assert choose_replicas("a", v, [1, 2, 0], **kw, prefill_wait=[2.0, 0.5, 0.0]).tiers == [[1]]
+    assert choose_replicas("a", v, [1, 2, 0], **kw).tiers == [[0]]  # not priced: the plan's row
+
+
 def test_a_request_waits_in_the_router_at_most_its_bound():
     """Past ``max_router_wait`` rows' waits (4 x 0.2 s / 8 = 0.1 s) any idle row takes it."""
     ids = IDS[:2]

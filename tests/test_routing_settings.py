@@ -7,7 +7,7 @@ import pytest
 
 from routing.settings import DEFAULT_SETTINGS, FEED, PLAN, POLICY, RoutingSettings, markdown_table
 
-UNITS = {"s", "count", "share", "row waits", "request times", "replicas", "factor"}
+UNITS = {"s", "count", "share", "row waits", "request times", "replicas", "factor", "s per token"}
 DOC = Path(__file__).resolve().parents[1] / "docs" / "routing_settings.md"
 
 

@@ -36,6 +36,7 @@ from collections import Counter, OrderedDict, deque
 from typing import Callable, Optional, Protocol
 
 from engine.scheduler import Scheduler
+from engine.step_loop import PREFILL_TIMED_MIN_TOKENS
 from pool.memory_pool import LoRAMemoryPool, batch_order
 from pool.shapes import LoRAModelShape
 from routing.load_timings import LoadTimings
@@ -129,6 +130,7 @@ class SimReplica:
         self.disk_s = 0.0
         self.steps = 0
         self.timings = LoadTimings()  # the worker's measured load seconds, reported in its heartbeat
+        self.prefill_timed = (0, 0.0)  # as the engine times its prefill-heavy steps (engine.step_loop)
         self.max_batch = config.max_batch
         self._gen = 0                      # bumps when a scheduled step end is superseded
         self._stepping = False
@@ -229,6 +231,7 @@ class SimReplica:
         (``LoRAWorker._state_extras``): routers price a load on this replica by it (a host copy
         where the adapter is host-cached or being read, else a disk read; both as measured here)."""
         self.timings.observe_pool(self.copies, self.copy_s)
+        self.timings.observe_prefill(*self.prefill_timed)
         return {"queue_len": len(self.sched), "host_cached": sorted(self.host.entries),
                 "loading": sorted(self.reading), "rows": self.max_batch, "load_s": self.timings.report()}
 
@@ -346,6 +349,9 @@ class SimReplica:
                 self._schedule_end(now + k * costs.step_s(0), k)
                 return
         self._macro = None
+        if prefill >= PREFILL_TIMED_MIN_TOKENS:
+            tokens, seconds = self.prefill_timed
+            self.prefill_timed = (tokens + prefill, seconds + costs.step_s(prefill))
         self._schedule_end(now + stall + costs.step_s(prefill), 0)
 
     def _restage(self, admitted: list[SimRequest]) -> None:

@@ -135,7 +135,8 @@ class AffinityRouter(_ViewRouter):
                                    last_used=local.last_used_by_index(ids),
                                    batch_slowdown=local.batch_slowdown(), waited_s=now - req.arrival,
                                    first_in_line=req.i in self._counted and req.i == self._oldest(),
-                                   waiting=self.waiting, full_at=local.full_at_by_index(ids), now=now)
+                                   waiting=self.waiting, full_at=local.full_at_by_index(ids), now=now,
+                                   prefill_wait=local.prefill_wait_by_index(ids))
         if not decision.tiers:
             self._count("wait")
             if req.i not in self._counted:
@@ -153,7 +154,8 @@ class AffinityRouter(_ViewRouter):
             local.saw_full(ids[i])
         self._count(decision.kind)
         self.view.record_decision(req.uid, ids[i])
-        local.routed(str(req.i), ids[i], req.uid)
+        local.routed(str(req.i), ids[i], req.uid, req.in_len,
+                     self.view.prefill_s_per_token(ids[i]) or self.config.prefill_s_per_token)
         return i
 
     def finished(self, req):
