@@ -34,6 +34,11 @@ replays the run: per variant and cell, loads within 10 %, TTFT p50 and p99 withi
 pairwise ranking of loads and p99 TTFT the same), ``fleet16_control_plane_cpu_share`` (reported:
 the share of the machine's CPU the fleet's processes used, the emulated GPU's sleeps excluded).
 
+Column ``first_requests``: the adapters a cell asks for that no earlier segment of the variant's replay
+asked for. A router that starts empty and loads only when asked must load each of them once, whatever
+it does: with multiplexing's loads, it is the floor under ``fleet16_loads_vs_multiplexed`` for any router
+that does not read adapters ahead of their first request.
+
     python -m benchmarks.fleet_live [--quick] [--json PATH]
 """
 
@@ -321,8 +326,12 @@ def run_variant(fleet: Fleet, variant: str, segments: list[Segment], payloads: d
     meter = CpuMeter(pids)
     rows = []
     started_at = time.time()
+    asked: set[str] = set()  # adapters asked for so far in this variant's replay
     for seg in segments:
         row = measure(fleet, seg, payloads[seg.name], meter, started_at)
+        names = {name for _, name, _, _ in payloads[seg.name]}
+        row["first_requests"] = len(names - asked)
+        asked |= names
         if seg.measured:
             rows.append(row)
     return rows
@@ -444,7 +453,7 @@ def main(argv=None) -> list[dict]:
         sim_rows = replay_fleet_live(_settings(args, segments, costs), args.variants, starts=live_starts(rows),
                                      cpu_count=os.cpu_count())
         agreement = agreement_with_live(rows, sim_rows)
-    columns = ["segment", "variant", "loads", "ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms", "req_per_s",
+    columns = ["segment", "variant", "loads", "first_requests", "ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms", "req_per_s",
                "errors", "client_cpu_ms", "fleet_cpu_share", "machine_cpu_share"]
     print()
     common.print_table(sorted(rows, key=lambda r: (r["segment"], VARIANTS.index(r["variant"]))), columns,

@@ -83,6 +83,7 @@ class FleetView:
     planned: Optional[Mapping[str, tuple[int, ...]]] = None  # the fleet plan: adapter -> planned replica indexes
     planned_on: Optional[Sequence[tuple[str, ...]]] = None   # per replica: the adapters planned there
     busy: frozenset = frozenset()  # replica indexes the plan keeps busy (no spill target)
+    slotted_on: Optional[Sequence[frozenset]] = None  # per replica: planned adapters given a slot there (kept)
 
     def __post_init__(self) -> None:
         n = len(self.replica_ids)
@@ -288,7 +289,7 @@ def _spill_target(ctx: _Scoring, planned: Sequence[int], best: int, waiting: Map
     target, target_cost = None, float("inf")
     inside = set(planned)
     for j in others:
-        if j in inside or j in view.busy or \
+        if j in inside or j in view.busy or _evicts_planned(ctx, j) or \
                 ctx.loads[j] + _ahead(view, j, waiting) + cfg.spill_headroom > ctx.cap(j):
             continue  # its free rows are owed to requests planned there (overdue or not), or it is nearly full
         if full_at is not None and now - full_at[j] < cfg.idle_rows * ctx.request_time(j) / ctx.cap(j):
@@ -323,7 +324,7 @@ def _prefill_spill(ctx: _Scoring, planned: Sequence[int], chosen: int, waiting: 
     target, target_cost = None, pw[chosen] - margin
     n = len(view.replica_ids)
     for j in range(n) if n <= SMALL_FLEET else _candidates(ctx.adapter, view, ctx.loads, ctx.holders, cfg):
-        if j in inside or j in view.busy or pw[j] >= target_cost or \
+        if j in inside or j in view.busy or pw[j] >= target_cost or _evicts_planned(ctx, j) or \
                 ctx.loads[j] + _ahead(view, j, waiting) + cfg.spill_headroom > ctx.cap(j):
             continue
         if full_at is not None and now - full_at[j] < cfg.idle_rows * ctx.request_time(j) / ctx.cap(j):
@@ -334,6 +335,19 @@ def _prefill_spill(ctx: _Scoring, planned: Sequence[int], chosen: int, waiting: 
             continue
         target, target_cost = j, cost
     return target
+
+
+def _evicts_planned(ctx: _Scoring, j: int) -> bool:
+    """Whether loading the adapter on ``j`` must evict an adapter the plan gives a slot there: ``j`` does not
+    hold it, has no free slot, and every resident has its slot by the plan. A spill never does that: the
+    planned adapter is asked for again there, reloads, and evicts in turn (on a fleet whose slots the plan
+    fills, as the demo's 2 x 3 slots for six adapters, each spill cost two loads or more)."""
+    view = ctx.view
+    kept = view.slotted_on if view.slotted_on is not None else view.planned_on
+    if j in ctx.holders or view.free[j] > 0 or view.residents is None or kept is None:
+        return False
+    kept_here = kept[j]
+    return all(r in kept_here for r in view.residents[j])
 
 
 def _ahead(view: FleetView, i: int, waiting: Mapping) -> float:

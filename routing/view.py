@@ -201,9 +201,12 @@ class RouterView:
             host_s[i], disk_s[i] = timings.get("host"), timings.get("disk")
         planned, planned_on = self._planned(replica_ids)
         busy = frozenset(i for i, r in enumerate(replica_ids) if self.plan is not None and r in self.plan.busy)
+        slotted_on = [frozenset(self.plan.slotted.get(r, ())) for r in replica_ids] \
+            if self.plan is not None and self.plan.slotted else None
         return FleetView(replica_ids, holders=holders, warm=warm, free_slots=free, slots=slots, residents=residents,
                          pinned=pinned, host_load_s=_fill_with_mean(host_s), disk_load_s=_fill_with_mean(disk_s),
-                         score_cache=self._scores, planned=planned, planned_on=planned_on, busy=busy)
+                         score_cache=self._scores, planned=planned, planned_on=planned_on, busy=busy,
+                         slotted_on=slotted_on)
 
     def _planned(self, replica_ids: tuple[str, ...]) -> tuple[dict, list]:
         """The plan over these candidates: adapter -> indexes, and per index the adapters planned there."""

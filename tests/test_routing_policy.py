@@ -113,6 +113,23 @@ def test_a_free_row_behind_a_long_prefill_queue_loses_to_an_idle_replica_elsewhe
     assert choose_replicas("a", v, [1, 2, 0], **kw).tiers == [[0]]  # not priced: the plan's row
 
 
+def test_no_spill_evicts_an_adapter_the_plan_gives_a_slot_where_it_would_land():
+    """The demo's shape: every slot of the idle replica holds an adapter the plan keeps there. An overdue request
+    (any free row would do) still waits rather than evict one of them (it would reload there and evict in turn);
+    once a resident there is not kept (the spare slot's churn) or a slot is free, it spills."""
+    ids = IDS[:2]
+    kw = dict(caps=[8, 8], request_s=[0.2, 0.2], waited_s=5.0)
+    full = planned_view({"a": {0}, "x": {1}, "y": {1}}, {"a": {0}, "x": {1}, "y": {1}}, ids=ids, free=[0, 0],
+                        residents=[("a",), ("x", "y")], host_s=0.001, disk_s=0.002)
+    full.slotted_on = [frozenset({"a"}), frozenset({"x", "y"})]
+    assert choose_replicas("a", full, [8, 0], **kw).wait
+    full.slotted_on = [frozenset({"a"}), frozenset({"x"})]  # y is resident on demand there: its slot churns
+    assert choose_replicas("a", full, [8, 0], **kw).tiers == [[1]]
+    full.slotted_on = [frozenset({"a"}), frozenset({"x", "y"})]
+    full.free, full.free_slots = [0, 1], np.array([0, 1])
+    assert choose_replicas("a", full, [8, 0], **kw).tiers == [[1]]
+
+
 def test_a_request_waits_in_the_router_at_most_its_bound():
     """Past ``max_router_wait`` rows' waits (4 x 0.2 s / 8 = 0.1 s) any idle row takes it."""
     ids = IDS[:2]
