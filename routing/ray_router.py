@@ -22,9 +22,9 @@ machine shares cores with the engines:
   request offer it after ``capacity_poll_s`` so Serve asks it for its queue length;
 - metrics are counted locally and exported every ``metrics_export_interval_s`` from the
   feed thread, not one ``ray.util.metrics`` call per decision;
-- the directory feed is paced by traffic (one poll per ``requests_per_poll`` routed
-  requests at most, one per ``poll_timeout_s`` when idle), so its cost per request is
-  bounded at any request rate;
+- the directory feed (``routing.directory_feed``) is paced by traffic (one poll per
+  ``requests_per_poll`` routed requests at most, one per ``poll_timeout_s`` when idle), so its
+  cost per request is bounded at any request rate;
 - the candidate list, caps and view are cached until Serve's replica set or the view
   changes.
 
@@ -45,6 +45,8 @@ from typing import List, Optional
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
+from .directory_feed import DirectoryFeed
+from .request_fields import request_adapter, request_prompt_tokens
 from .policy import choose_replicas
 from .router_state import LocalRouterState
 from .settings import RoutingSettings
@@ -52,33 +54,6 @@ from .view import RouterView
 from .waiters import OldestFirstWaiters
 
 log = logging.getLogger("ray.serve")
-
-
-def request_adapter(pending_request: Optional[PendingRequest]) -> Optional[str]:
-    """The adapter name from the request object (``args[0].adapter``); None for the base model."""
-    if pending_request is None or not pending_request.args:
-        return None
-    adapter = getattr(pending_request.args[0], "adapter", None)
-    return adapter if isinstance(adapter, str) else None
-
-
-CHARS_PER_TOKEN = 4  # a text prompt's length in tokens, estimated (English BPE averages about four characters)
-
-
-def request_prompt_tokens(request: object) -> int:
-    """The prompt's tokens: counted when the request carries token ids, else estimated from its text
-    (``CHARS_PER_TOKEN``); 0 when there is none. The router prices the prefill a prompt adds to its
-    replica's queue with it, so an estimate within tens of percent is enough and tokenizing here is not."""
-    token_ids = getattr(request, "token_ids", None)
-    if token_ids:
-        return len(token_ids)
-    prompt = getattr(request, "prompt", None)
-    if isinstance(prompt, str):
-        return len(prompt) // CHARS_PER_TOKEN
-    messages = getattr(request, "messages", None) or ()
-    chars = sum(len(m.get("content") or "") for m in messages
-                if isinstance(m, dict) and isinstance(m.get("content"), str))
-    return chars // CHARS_PER_TOKEN
 
 
 class _RouterMetrics:
@@ -94,7 +69,8 @@ class _RouterMetrics:
 
         self._decisions = MetricCounter("lorafleet_router_decisions_total",
                                         description="Routing decisions by kind (affinity, spill: another replica "
-                                                    "than the holders, placement: no holder, base, wait: the best "
+                                                    "than the holders, prefill_spill: the same, to skip a long "
+                                                    "prefill queue, placement: no holder, base, wait: the best "
                                                     "replica was full; waited: offered after a wait for it)",
                                         tag_keys=("kind",))
         self._lag = Gauge("lorafleet_router_view_lag_seconds",
@@ -133,12 +109,9 @@ class AdapterAffinityRouter(RequestRouter):
         self.view = RouterView(ttl_s=s.view_ttl_s)
         self.local = LocalRouterState(settings=s)
         self.directory_deployment = directory_deployment
-        self._routed = 0  # requests routed so far (paces the directory feed)
-        self._routed_at_poll = -s.requests_per_poll  # the first poll goes out at once
-        self._feed_due = threading.Event()  # set once requests_per_poll requests were routed since the last poll
         self.decisions: Counter = Counter()  # affinity | spill | placement | base | wait | waited
-        self._poll_thread: Optional[threading.Thread] = None
-        self._epoch_seen: Optional[str] = None
+        self.feed: Optional[DirectoryFeed] = None  # started at the first decision (it needs the running loop)
+        self._directory_handle = None
         self._stats_applied_at = float("-inf")
         self._candidates_of: Optional[list] = None
         self._ids: tuple[str, ...] = ()
@@ -297,9 +270,8 @@ class AdapterAffinityRouter(RequestRouter):
         request = pending_request.args[0] if pending_request.args else None
         self.local.routed(request_id, rid, adapter, request_prompt_tokens(request),
                           self.view.prefill_s_per_token(rid) or self.settings.prefill_s_per_token)
-        self._routed += 1
-        if self._routed - self._routed_at_poll >= self.settings.requests_per_poll:
-            self._feed_due.set()
+        if self.feed is not None:
+            self.feed.request_routed()
         self.view.record_decision(adapter, rid)
         self._first_seen.pop(request_id, None)
         kind = self._kinds.pop(request_id, None)
@@ -333,67 +305,15 @@ class AdapterAffinityRouter(RequestRouter):
     # ------------------------------------------------------------------ directory feed
 
     def _ensure_polling(self) -> None:
-        """Start the directory feed once, on its own thread.
+        if self.feed is None:
+            self.feed = DirectoryFeed(self.settings, self.view, self.metrics, self._get_changes)
+        self.feed.ensure_running(asyncio.get_running_loop())
 
-        Creating and calling a DeploymentHandle inside the router's event loop would wait on
-        that same loop, so the feed runs blocking calls on a thread and hands each reply to
-        the loop with ``call_soon_threadsafe``. The same thread exports the metrics.
-        """
-        if self._poll_thread is None or not self._poll_thread.is_alive():
-            loop = asyncio.get_running_loop()
-            self._poll_thread = threading.Thread(target=self._poll_directory, args=(loop,),
-                                                 name="lorafleet-router-feed", daemon=True)
-            self._poll_thread.start()
-
-    def _poll_directory(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Long-poll the directory, paced by traffic: under traffic the next poll waits for
-        ``requests_per_poll`` routed requests (or ``poll_timeout_s``), so the feed's cost per request
-        stays bounded whatever the request rate. An idle router keeps a long poll outstanding: it costs
-        one call per change (at most one per ``min_poll_interval_s``) or per ``poll_timeout_s``, and a
-        plan change made while idle (a newly registered adapter's placement) reaches the router before
-        the first request for it, instead of up to ``poll_timeout_s`` later."""
+    def _get_changes(self, since_version: int, timeout_s: float, plan_version: int) -> dict:
+        """The directory's changes since ``since_version`` (a long poll of up to ``timeout_s``), on the feed's thread."""
         from ray import serve
 
-        s = self.settings
-        handle = None
-        version = -1
-        exported = last_poll = time.monotonic() - s.poll_timeout_s  # the first poll goes out at once
-        while not loop.is_closed():
-            # under traffic, sleep until it makes a poll due (on_request_routed sets the event) or the period ends;
-            # idle (nothing routed since the last poll), poll again at once: the long poll itself waits for a change
-            if self._routed != self._routed_at_poll:
-                self._feed_due.wait(max(0.0, min(last_poll + s.poll_timeout_s,
-                                                 exported + s.metrics_export_interval_s) - time.monotonic()))
-            else:
-                self._feed_due.set()
-            now = time.monotonic()
-            if now - exported >= s.metrics_export_interval_s:
-                exported = now
-                last = self.view.last_update
-                self.metrics.lag_s = now - last if last else 0.0
-                self._export_metrics()
-            if not self._feed_due.is_set() and now - last_poll < s.poll_timeout_s:
-                continue  # woken to export metrics only
-            if now - last_poll < s.min_poll_interval_s:
-                time.sleep(s.min_poll_interval_s - (now - last_poll))
-            self._feed_due.clear()
-            self._routed_at_poll, last_poll = self._routed, time.monotonic()
-            try:
-                if handle is None:
-                    handle = serve.get_deployment_handle(self.directory_deployment, app_name=self.app_name)
-                timeout = min(s.poll_timeout_s, s.metrics_export_interval_s)
-                reply = handle.get_changes.remote(version, timeout, self.view.plan_version).result(
-                    timeout_s=timeout + 10)
-                version = reply["version"] if "full" in reply or reply.get("epoch") == self._epoch_seen else -1
-                self._epoch_seen = reply.get("epoch")
-                loop.call_soon_threadsafe(self.view.apply_directory_reply, reply)
-            except Exception as exc:  # keep routing on what we have; try again shortly
-                log.debug("lorafleet router: directory poll failed: %r", exc)
-                version = -1
-                time.sleep(1.0)
-
-    def _export_metrics(self) -> None:
-        try:
-            self.metrics.export()
-        except Exception as exc:  # metrics must never stop the feed
-            log.debug("lorafleet router: metrics export failed: %r", exc)
+        if self._directory_handle is None:
+            self._directory_handle = serve.get_deployment_handle(self.directory_deployment, app_name=self.app_name)
+        return self._directory_handle.get_changes.remote(since_version, timeout_s, plan_version).result(
+            timeout_s=timeout_s + 10)

@@ -271,7 +271,7 @@ def test_the_prefill_rate_is_measured_per_replica_and_unmeasured_ones_get_the_fl
 
 def test_a_requests_prompt_tokens_are_counted_or_estimated_from_its_text():
     from engine.request import GenerateRequest
-    from routing.ray_router import request_prompt_tokens
+    from routing.request_fields import request_prompt_tokens
 
     assert request_prompt_tokens(GenerateRequest(token_ids=[5] * 700)) == 700
     assert request_prompt_tokens(GenerateRequest(prompt="x" * 400)) == 100

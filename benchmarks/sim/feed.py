@@ -24,7 +24,7 @@ from routing.settings import DEFAULT_SETTINGS
 
 @dataclass(frozen=True)
 class PollPacing:
-    """How the live router pulls the directory (``routing.ray_router.AdapterAffinityRouter._poll_directory``,
+    """How the live router pulls the directory (``routing.directory_feed.DirectoryFeed``,
     with the default ``routing.settings.RoutingSettings``): a long poll goes out once
     ``requests_per_poll`` requests were routed since the last one went out (or ``timeout_s`` passed), never
     sooner than ``min_interval_s`` after it; it returns with the first change past the router's version
