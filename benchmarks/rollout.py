@@ -24,6 +24,7 @@ import socket
 import tempfile
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,7 @@ from testkit.serve_cluster import start_serve
 APP = "rollout-bench"
 ADMIN_TOKEN = "rollout-bench-token"
 VERSION_HEADER = "x-lorafleet-adapter-version"
+REPLICA_HEADER = "x-lorafleet-replica"
 BUCKET = "rollout-bench"
 BURST = 24  # requests fired as v1 is flipped away: 3x what the 2 workers run at once, so most queue
 
@@ -51,6 +53,7 @@ class Sample:
     status: int
     version: str
     phase: str
+    replica: str = ""   # the worker that served it (x-lorafleet-replica)
 
 
 class Traffic:
@@ -74,11 +77,12 @@ class Traffic:
                         "model": self.model, "prompt": f"client {index} request {n}", "max_tokens": self.max_tokens,
                         "temperature": 0})
                     status, version = r.status_code, r.headers.get(VERSION_HEADER, "")
+                    replica = r.headers.get(REPLICA_HEADER, "")
                     if status == 200 and r.json().get("model") != self.model:
                         status = -1  # the response must keep the requested name
                 except httpx.HTTPError:
-                    status, version = -2, ""
-                self.samples.append(Sample(started, time.monotonic() - started, status, version, phase))
+                    status, version, replica = -2, "", ""
+                self.samples.append(Sample(started, time.monotonic() - started, status, version, phase, replica))
 
     def start(self) -> None:
         for t in self._threads:
@@ -146,9 +150,13 @@ def percentile_ms(values: list[float], q: float) -> float:
 
 
 def phase_row(phase: str, samples: list[Sample]) -> dict:
+    """A phase's errors, versions and latency, and how its requests split over the workers (largest share
+    first): where the traffic went is what a p99 moves with on a machine whose workers share cores."""
     ok = [s.seconds for s in samples if s.status == 200]
+    per_replica = sorted(Counter(s.replica for s in samples if s.replica).values(), reverse=True)
     return {"phase": phase, "requests": len(samples), "errors": sum(s.status != 200 for s in samples),
             "v1": sum(s.version == "v1" for s in samples), "v2": sum(s.version == "v2" for s in samples),
+            "by_worker": "/".join(map(str, per_replica)) or "-",
             "p50_ms": percentile_ms(ok, 50), "p99_ms": percentile_ms(ok, 99)}
 
 
@@ -276,7 +284,7 @@ def main(argv=None) -> dict:
     rollout_row = phase_row("rollout (all)", rollout)
     rows += [rollout_row, burst_row]
     print()
-    common.print_table(rows, ["phase", "requests", "errors", "v1", "v2", "p50_ms", "p99_ms"],
+    common.print_table(rows, ["phase", "requests", "errors", "v1", "v2", "by_worker", "p50_ms", "p99_ms"],
                        title="Rollout of support v1 -> v2 under steady traffic", floatfmt=".1f")
     print()
     common.print_table(first_rows, ["source", "adapter", "first_ms", "second_ms", "status"],

@@ -123,6 +123,10 @@ class AppArgs(BaseModel):
     adapter_cache_dir: Optional[str] = None
     """node-local download cache for object-store adapters, shared by the node's replicas (unset:
     `~/.cache/lorafleet/adapters`)"""
+    adapter_cache_bytes: Optional[int] = Field(default=10 << 30, ge=0)
+    """disk budget (bytes) of each node-local adapter download cache: object-store downloads in
+    `adapter_cache_dir`, and hub adapter snapshots in the hub cache (the base model is never removed); least
+    recently used out first, never one used in the last minute (unset: unbounded)"""
     adapter_resolvers: Optional[list[str]] = None
     """roots tried in order for an unregistered adapter name on its first request: a folder, an s3/gs prefix or
     a hub org (unset: off)"""

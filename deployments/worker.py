@@ -41,6 +41,7 @@ from .registry import RegistryEntry, RegistryFollower
 log = logging.getLogger("ray.serve")
 FLUSH_INTERVAL_S = 0.02
 HEARTBEAT_INTERVAL_S = 1.0
+QUEUE_REPORT_INTERVAL_S = 0.25  # a changed queue length is reported at most this often (between heartbeats)
 PIN_RETRY_INTERVAL_S = 1.0
 REGISTRY_POLL_TIMEOUT_S = 5.0
 FIRST_REPORT_TIMEOUT_S = 10.0  # a directory still starting must not hold the replica's start up
@@ -341,18 +342,24 @@ class LoRAWorker:
                 log.warning("lorafleet worker %s: prefetch of %s failed (%r)", self.replica_id, item.name, exc)
 
     async def _report_loop(self) -> None:
-        """Events every FLUSH_INTERVAL_S when there are any; heartbeat and metrics once a second.
+        """Events every FLUSH_INTERVAL_S when there are any; a changed queue length at most every
+        QUEUE_REPORT_INTERVAL_S (so the admin view drops cancelled work within a second); heartbeat
+        and metrics once a second.
 
         This loop shares the replica's event loop with Serve's queue-length probes, so it stays
         light: metrics are not pushed on every flush.
         """
-        last_heartbeat = float("-inf")
+        last_heartbeat = last_report = float("-inf")
+        reported_queue = -1
         while True:
             await asyncio.sleep(FLUSH_INTERVAL_S)
             now = time.monotonic()
             heartbeat_due = now - last_heartbeat >= HEARTBEAT_INTERVAL_S
-            if not len(self.events) and not self.events.resync_needed and not heartbeat_due:
+            queue_due = (self.engine.queue_len() != reported_queue   # cancelled work leaves the admin view
+                         and now - last_report >= QUEUE_REPORT_INTERVAL_S)  # within a second, not a heartbeat
+            if not len(self.events) and not self.events.resync_needed and not heartbeat_due and not queue_due:
                 continue
+            last_report = now
             if heartbeat_due:
                 last_heartbeat = now
                 self.metrics.update(*self.engine.pool_metrics_sources())
@@ -361,8 +368,10 @@ class LoRAWorker:
                 self.demand.observe_loads(self.engine.pool_snapshot().counters.loads, now)
             events, resync = self.events.drain()
             snapshot = self.engine.pool_snapshot().to_dict() if resync else None
+            heartbeat = self._heartbeat()
+            reported_queue = heartbeat["queue_len"]
             try:
-                reply = await self.directory.report.remote(self.replica_id, events, self._heartbeat(), snapshot)
+                reply = await self.directory.report.remote(self.replica_id, events, heartbeat, snapshot)
                 if reply.get("resync"):
                     self.events.request_resync()
                 if "plan" in reply:

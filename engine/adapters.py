@@ -21,7 +21,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections import Counter
+from collections import Counter, OrderedDict
 from typing import Callable, Iterable, Optional, TypeVar
 
 from pool.adapter import LoRAAdapterWeights
@@ -49,7 +49,10 @@ class ReplicaAdapters:
         self._cond = threading.Condition()
         self._uids: dict[str, str] = {}   # name -> the uid it serves now
         self._inflight: Counter = Counter()  # uid (None: base model) -> waiting + running requests
-        self._handover: dict[str, LoRAAdapterWeights] = {}  # read for one slot load the host tier cannot keep
+        # read for one slot load the host tier cannot keep; at most one per slot (a batch loads no more), oldest
+        # out first: a dropped one is read again when its load comes (``AdapterNotStagedError``: staged anew)
+        self._handover: OrderedDict[str, LoRAAdapterWeights] = OrderedDict()
+        self.handover_max = pool.slots
         self._staging: set[str] = set()   # uids being re-read on a background thread
 
     # ------------------------------------------------------------------ names and requests
@@ -165,7 +168,8 @@ class ReplicaAdapters:
             self.pool.retain_batch(self._running_uids())
             self.pool.remove(uid)
             self.store.unregister(uid)
-            self._handover.pop(uid, None)
+            with self._cond:
+                self._handover.pop(uid, None)
 
         self._at_step_boundary(unload)
         with self._cond:
@@ -193,7 +197,11 @@ class ReplicaAdapters:
         it on the engine thread). An adapter the host tier cannot keep is handed over for one load."""
         weights = self.store.fetch(uid)
         if not self.store.is_staged(uid):
-            self._handover[uid] = weights
+            with self._cond:
+                self._handover[uid] = weights
+                self._handover.move_to_end(uid)
+                while len(self._handover) > self.handover_max:
+                    self._handover.popitem(last=False)
 
     def stage_in_background(self, uid: str) -> None:
         """``stage`` on a thread of its own (the host tier dropped ``uid`` after its request was admitted)."""
@@ -204,6 +212,12 @@ class ReplicaAdapters:
         threading.Thread(target=self._stage_then_wake, args=(uid,), name=f"lorafleet-stage-{uid}",
                          daemon=True).start()
 
+    def map_sizes(self) -> dict[str, int]:
+        """Entries of each per-adapter map here (the soak test checks each against its bound)."""
+        with self._cond:
+            return {"names": len(self._uids), "inflight": len(self._inflight), "handover": len(self._handover),
+                    "staging": len(self._staging)}
+
     @property
     def staging(self) -> bool:
         """A background read is under way: the engine loop waits for it instead of spinning."""
@@ -211,7 +225,8 @@ class ReplicaAdapters:
 
     def slot_weights(self, uid: str) -> LoRAAdapterWeights:
         """The pool's weight source: a memory copy only (raises ``AdapterNotStagedError`` otherwise)."""
-        handed = self._handover.pop(uid, None)
+        with self._cond:
+            handed = self._handover.pop(uid, None)
         return handed if handed is not None else self.store.fetch_staged(uid)
 
     def load_into_slot(self, uid: str) -> int:

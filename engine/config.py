@@ -34,6 +34,7 @@ class EngineConfig:
     hub_orgs: Optional[list[str]]            # allow-list of hub organisations (None: any)
     object_store_prefixes: Optional[list[str]]  # allow-list of s3:// and gs:// prefixes (None: any)
     adapter_cache_dir: Optional[str]         # node-local object-store download cache (None: the default)
+    adapter_cache_bytes: Optional[int]       # disk budget of the node's adapter download caches (None: unbounded)
     max_bypass_steps: int
     max_waiting_requests: int                # a full waiting queue refuses new requests (503), never grows
     replica_id: str

@@ -63,7 +63,8 @@ class LoRAEngine(StepLoop, EngineReadAPI):
                                   host_cache_bytes=config.host_cache_bytes,
                                   allowed_roots=config.adapter_roots, hub_orgs=config.hub_orgs,
                                   object_store_prefixes=config.object_store_prefixes,
-                                  adapter_cache_dir=config.adapter_cache_dir)
+                                  adapter_cache_dir=config.adapter_cache_dir,
+                                  adapter_cache_bytes=config.adapter_cache_bytes)
         # the pool's slot loads read weights through the adapters object (built below, once the
         # scheduler exists): a memory copy from the host tier, never a file read
         self.pool = LoRAMemoryPool(self.shape, config.max_loras_per_batch, config.max_lora_rank,

@@ -47,12 +47,14 @@ class AdapterStore:
         hub_orgs: Sequence[str] | None = None,
         object_store_prefixes: Sequence[str] | None = None,
         adapter_cache_dir: str | None = None,
+        adapter_cache_bytes: int | None = None,
     ):
         self.shape = shape
         self.max_lora_rank = max_lora_rank
         self.dtype = dtype
         self.host_cache = HostAdapterCache(host_cache_bytes)
-        self.policy = SourcePolicy.of(allowed_roots, hub_orgs, object_store_prefixes, adapter_cache_dir)
+        self.policy = SourcePolicy.of(allowed_roots, hub_orgs, object_store_prefixes, adapter_cache_dir,
+                                      adapter_cache_bytes)
         self._records: dict[str, AdapterRecord] = {}
         self._lock = threading.Lock()
 
@@ -110,5 +112,9 @@ class AdapterStore:
         if cached is not None:
             return cached
         record = self.record(uid)
-        weights = load_adapter_folder(record.folder, self.shape, self.max_lora_rank, name=record.name, dtype=self.dtype)
+        folder = record.folder
+        if not folder.is_dir():   # a download cache evicted it (held to its budget): fetch the same content again
+            folder = resolve_adapter_source(record.source, record.version or record.revision, self.policy,
+                                            max_adapter_file_bytes(self.shape, self.max_lora_rank)).folder
+        weights = load_adapter_folder(folder, self.shape, self.max_lora_rank, name=record.name, dtype=self.dtype)
         return self.host_cache.put(uid, weights)

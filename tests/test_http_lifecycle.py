@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -36,6 +37,61 @@ def test_dropped_streams_are_cancelled_in_the_engine(fleet, http_base):
     wait_until(lambda: engine_totals("lorafleet", replicas)["running"] == 0, 30, "the batches to empty")
     generated = engine_totals("lorafleet", replicas)["tokens_generated"] - before["tokens_generated"]
     assert generated < 6 * 64  # the dropped generations did not run to max_tokens
+
+
+def fleet_queue(http_base: str) -> int:
+    """Requests waiting or running over the fleet, as the admin view ``GET /v1/adapters`` reads them."""
+    replicas = httpx.get(f"{http_base}/v1/adapters", headers=AUTH, timeout=30).json()["replicas"]
+    return sum(r["queue_len"] for r in replicas.values())
+
+
+def test_dropped_streams_leave_the_admin_view_within_a_second(fleet, http_base):
+    """Issue 28's goal: an operator who sees work dropped sees the fleet's queue empty within 1 s, not a
+    heartbeat later. The view must first show the streams (so the check has teeth: a round whose streams end
+    before the view shows them is tried again), and the engines must count them cancelled (they ended because
+    the clients left, not by running out of tokens)."""
+    import concurrent.futures
+    import contextlib
+
+    replicas = live_replicas(2)
+    wait_until(lambda: fleet_queue(http_base) == 0, 30, "an idle fleet before the streams")
+    before = engine_totals("lorafleet", replicas)["cancelled"]
+    streams = 8   # every batch row of both workers
+
+    def seen_before_done(replies: list) -> bool:
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:
+            if fleet_queue(http_base) > 0:
+                return True
+        return False
+
+    for _ in range(5):
+        with httpx.Client(timeout=60, limits=httpx.Limits(max_connections=streams)) as client, \
+                contextlib.ExitStack() as open_streams:
+            def open_one(i: int) -> httpx.Response:
+                reply = open_streams.enter_context(client.stream(
+                    "POST", f"{http_base}/v1/completions",
+                    json={"model": f"demo-{i % 3}", "prompt": f"view {i} " * 20, "max_tokens": 64,
+                          "ignore_eos": True, "stream": True}))
+                assert reply.status_code == 200
+                next(reply.iter_lines())  # the first chunk arrived: the request runs in an engine
+                return reply
+
+            with concurrent.futures.ThreadPoolExecutor(streams) as pool:
+                replies = list(pool.map(open_one, range(streams)))
+            if not seen_before_done(replies):
+                continue   # they ran to the end before the view showed them: try again
+            for reply in replies:
+                reply.close()
+            dropped = time.monotonic()
+            wait_until(lambda: fleet_queue(http_base) == 0, 30, "the admin view's queue to empty", interval_s=0.02)
+            seen_empty_after_s = time.monotonic() - dropped
+            break
+    else:
+        pytest.fail("in five rounds the admin view never showed eight open streams before they ended")
+    wait_until(lambda: engine_totals("lorafleet", replicas)["cancelled"] - before >= 1, 30,
+               "the engines to count the dropped streams cancelled")
+    assert seen_empty_after_s <= 1.0, f"the admin view showed dropped work for {seen_empty_after_s:.2f} s"
 
 
 def test_unsupported_parameters_are_refused_over_http(fleet, http_base):

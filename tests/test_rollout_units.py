@@ -214,16 +214,21 @@ def test_resolver_lookups_are_limited_to_the_replica_part_of_the_fleet_rate(tmp_
         release.set()
         with pytest.raises(AdapterNotFoundError):
             await first
-        with pytest.raises(AdapterNotFoundError):
-            await resolver.resolve("n-2")              # the second token of this second
         with pytest.raises(HTTPError):
-            await resolver.resolve("n-3")              # rate: 2 per second here
+            await resolver.resolve("n-2")              # rate 2 per second here, paced: no burst past one
         clock.now = 0.5                                # half a second refills one
         with pytest.raises(AdapterNotFoundError):
+            await resolver.resolve("n-3")
+        with pytest.raises(HTTPError):
+            await resolver.resolve("n-5")              # and no more in that half second
+        clock.now = 5.0                                # a long idle still leaves a burst of one
+        with pytest.raises(AdapterNotFoundError):
             await resolver.resolve("n-4")
+        with pytest.raises(HTTPError):
+            await resolver.resolve("n-6")
 
     asyncio.run(scenario())
-    assert calls == ["n-0", "n-2", "n-4"] and "n-1" not in resolver.misses and limiter.running == 0
+    assert calls == ["n-0", "n-3", "n-4"] and "n-1" not in resolver.misses and limiter.running == 0
 
 
 def test_a_local_folder_content_version_follows_its_bytes_not_its_mtime(demo_assets, tmp_path):

@@ -41,7 +41,7 @@ def open_handles(path: Path) -> int:
 def test_threads_download_an_entry_once(tmp_path):
     cache = NodeDownloadCache(tmp_path)
     key = ("s3", "b", "k", "v1")
-    lock = tmp_path / "s3" / "b" / "k" / "v1.lock"
+    lock = cache.lock_path(key)
     calls: list[int] = []
     downloaded_at: list[float] = []
 
@@ -68,7 +68,7 @@ def test_threads_download_an_entry_once(tmp_path):
 
 
 def test_a_failed_download_leaves_nothing_and_the_next_caller_retries(tmp_path):
-    cache = NodeDownloadCache(tmp_path)
+    cache = NodeDownloadCache(tmp_path, key_parts=2)
 
     def dies_halfway(folder: Path) -> None:
         write_files(folder)
@@ -85,9 +85,8 @@ def test_a_failed_download_leaves_nothing_and_the_next_caller_retries(tmp_path):
 
 
 def test_a_held_lock_times_out_as_unavailable(tmp_path):
-    cache = NodeDownloadCache(tmp_path, lock_timeout_s=0.3)
-    (tmp_path / "k").mkdir()
-    with open(tmp_path / "k" / "v.lock", "a+b") as held:
+    cache = NodeDownloadCache(tmp_path, lock_timeout_s=0.3, key_parts=2)
+    with open(cache.lock_path(("k", "v")), "a+b") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
         with pytest.raises(SourceUnavailableError, match="download lock"):
             cache.get(("k", "v"), write_files)

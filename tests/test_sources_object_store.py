@@ -188,6 +188,32 @@ def test_store_registers_an_s3_adapter_and_rereads_it_from_the_node_cache(s3_env
     shutil.rmtree(tmp_path / "cache")
 
 
+def test_an_entry_the_node_cache_evicted_is_fetched_again_and_only_as_registered(s3_env, demo_assets, shape,
+                                                                                   tmp_path):
+    """The node cache is held to ``adapter_cache_bytes``, so a registered adapter's folder can go; a host-tier
+    miss then downloads the same content version again, and refuses if the object changed meanwhile."""
+    from pool.sources import NodeDownloadCache
+
+    client = s3_client(s3_env)
+    upload_folder(client, demo_assets.adapters["demo-2"], BUCKET, "evicted/demo-2")
+    store = AdapterStore(shape, 16, host_cache_bytes=10_000_000, object_store_prefixes=[f"s3://{BUCKET}/evicted"],
+                         adapter_cache_dir=str(tmp_path / "cache"), adapter_cache_bytes=10_000_000)
+    record = store.register("demo-2@1", f"s3://{BUCKET}/evicted/demo-2", name="demo-2")
+    first = store.fetch("demo-2@1")
+    everything = NodeDownloadCache(tmp_path / "cache", max_bytes=0, evict_grace_s=0)
+    assert everything.prune() == [record.folder] and not record.folder.exists()
+    store.host_cache.remove("demo-2@1")
+    again = store.fetch("demo-2@1")
+    assert first.a.keys() == again.a.keys() and all(torch.equal(first.a[m], again.a[m]) for m in first.a)
+    assert s3_env.gets(BUCKET, "evicted/demo-2/adapter_model.safetensors") == 2
+    everything.prune()
+    store.host_cache.remove("demo-2@1")
+    upload_folder(client, demo_assets.adapters["demo-3"], BUCKET, "evicted/demo-2")   # other weights, same key
+    with pytest.raises(AdapterNotFoundError, match="not the requested"):
+        store.fetch("demo-2@1")
+    assert "demo-2@1" not in store.host_cache
+
+
 def test_a_listed_file_above_the_pools_limit_is_refused_before_the_download(s3_env, policy, demo_assets):
     from pool.errors import AdapterTooLargeError
 

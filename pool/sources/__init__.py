@@ -30,7 +30,8 @@ def resolve_adapter_source(source: str, revision: Optional[str] = None,
             raise SourceNotAllowedError(
                 f"adapter source {url.url} is outside the allowed object-store prefixes "
                 f"(this server's object_store_prefixes)")
-        return resolve_object_source(url, revision, NodeDownloadCache(policy.cache_root), max_bytes)
+        return resolve_object_source(url, revision, NodeDownloadCache(policy.cache_root, max_bytes=policy.cache_bytes,
+                                                                       evict_grace_s=policy.cache_grace_s), max_bytes)
     if looks_local(source):
         return resolve_local_source(source, policy)
     if is_hub_repo_id(source):

@@ -7,6 +7,7 @@ path honours ``HF_HUB_OFFLINE``, ``HF_HOME``/``HF_HUB_CACHE`` and ``HF_TOKEN``.
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 from typing import Optional
@@ -19,9 +20,11 @@ from ..errors import (
     SourceNotAllowedError,
     SourceUnavailableError,
 )
+from .hub_budget import prune_hub_adapters, touch_snapshot
 from .policy import SourcePolicy
 from .resolved import ResolvedSource
 
+log = logging.getLogger(__name__)
 HUB_ALLOW_PATTERNS = [CONFIG_FILE, WEIGHTS_FILE]
 _REPO_ID_RE = re.compile(r"[\w.-]+/[\w.-]+")
 
@@ -48,6 +51,12 @@ def resolve_hub_source(source: str, revision: Optional[str], policy: SourcePolic
         path = Path(snapshot_download(repo_id=source, revision=revision, allow_patterns=HUB_ALLOW_PATTERNS))
     except (RepositoryNotFoundError, RevisionNotFoundError, LocalEntryNotFoundError, HfHubHTTPError) as exc:
         raise hub_error(exc, f"hub adapter {source!r} (revision {revision or 'main'})") from exc
+    touch_snapshot(path)
+    try:
+        prune_hub_adapters(policy.cache_bytes, keep=path, cache_dir=path.parents[2],
+                           evict_grace_s=policy.cache_grace_s)  # <cache>/models--o--n/snapshots/<sha>
+    except Exception as exc:   # a cache we cannot prune (read-only, corrupt) must not refuse the adapter
+        log.warning("lorafleet: pruning hub adapter snapshots to %s bytes failed (%r)", policy.cache_bytes, exc)
     return ResolvedSource(path, "hub", path.name)
 
 

@@ -42,11 +42,14 @@ class SourcePolicy:
     hub_orgs: Optional[tuple[str, ...]] = None                # hub organisations
     object_store_prefixes: Optional[tuple[str, ...]] = None   # s3://bucket[/prefix], gs://bucket[/prefix]
     cache_dir: Optional[str] = None                           # node-local download cache (None: default_cache_dir())
+    cache_bytes: Optional[int] = None                         # disk budget of each adapter download cache (None: any)
+    cache_grace_s: float = 60.0                               # an adapter download used this recently is never evicted
 
     @classmethod
     def of(cls, adapter_roots: Optional[Sequence[str | os.PathLike]] = None, hub_orgs: Optional[Sequence[str]] = None,
            object_store_prefixes: Optional[Sequence[str]] = None,
-           cache_dir: Optional[str | os.PathLike] = None) -> "SourcePolicy":
+           cache_dir: Optional[str | os.PathLike] = None, cache_bytes: Optional[int] = None,
+           cache_grace_s: float = 60.0) -> "SourcePolicy":
         """Build from config lists; malformed object-store prefixes are refused here, before any request."""
         prefixes = validate_object_store_prefixes(object_store_prefixes)
         return cls(
@@ -54,6 +57,8 @@ class SourcePolicy:
             hub_orgs=None if hub_orgs is None else tuple(hub_orgs),
             object_store_prefixes=None if prefixes is None else tuple(prefixes),
             cache_dir=None if cache_dir is None else str(cache_dir),
+            cache_bytes=cache_bytes,
+            cache_grace_s=cache_grace_s,
         )
 
     @property
