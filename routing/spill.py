@@ -61,7 +61,7 @@ def prefill_spill(ctx: Scoring, planned: Sequence[int], chosen: int, waiting: Ma
     A free row is not a short wait when long prompts are queued ahead of it: replaying ``fleet_live`` in the
     simulator (its trace's prompts run to 8k tokens), the slowest first tokens were prompts sent to a planned
     replica still prefilling one or two others, while a replica elsewhere was idle; leaving the plan for those
-    cut p99 TTFT from 1.21x to 0.96x the best peer's (five jittered replays), for 11% more loads. The same
+    cut p99 TTFT from 1.21x to 0.91x the best peer's (five jittered replays), for 17% more loads. The same
     exclusions as a spill for a row apply (replicas the plan keeps busy, rows owed to waiting requests,
     replicas seen full a moment ago)."""
     view, cfg, pw = ctx.view, ctx.config, ctx.prefill_wait
