@@ -31,6 +31,8 @@ def spill_target(ctx: Scoring, planned: Sequence[int], best: int, waiting: Mappi
     # the wait for a planned row: the rows ahead of it (a full replica frees one per row_wait); what
     # sharing a batch costs is no reason to leave the plan (a spill shares a batch elsewhere too)
     wait = max(0.0, ctx.loads[best] + 1 - ctx.cap(best) + owed_rows(view, best, waiting)) * row_wait
+    if best in ctx.blocked:  # its row (or the next) waits for a slot too: no running adapter there is this one
+        wait += cfg.slot_wait_fraction * ctx.request_time(best)
     if not overdue and wait <= margin:
         return None  # no load anywhere is cheaper than nothing: the common case costs no scan
     n = len(view.replica_ids)
