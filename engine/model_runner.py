@@ -22,7 +22,6 @@ from .attention import make_attention
 from .attention_layout import StepLayout
 from .kv_cache import PagedKVCache
 from .lora_layers import LoRABatchContext, LoRASegment, fused_projections
-from .merged_linear import MergedLinear
 from .norms import rms_norm
 
 log = logging.getLogger(__name__)
@@ -83,19 +82,6 @@ class ModelRunner:
         if lora_kernels is None:
             lora_kernels = self.device.type == "cuda" and triton_available()
         self.kernel_device = self.device if lora_kernels else None
-        # q/k/v and gate/up as one base GEMM each on the torch LoRA path (``engine.merged_linear``)
-        self.merged = [[self._merge([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]),
-                        self._merge([layer.mlp.gate_proj, layer.mlp.up_proj])] for layer in self.decoder.layers]
-
-    @staticmethod
-    def _merge(modules: list[nn.Module]) -> Optional[MergedLinear]:
-        return MergedLinear(modules) if MergedLinear.mergeable(modules) else None
-
-    def _project(self, merged: Optional[MergedLinear], modules: list[nn.Module], x: torch.Tensor) -> list[torch.Tensor]:
-        """One merged GEMM where the step runs the torch LoRA path; the kernels' fused launches otherwise."""
-        if merged is not None and self.context.plan is None:
-            return merged(x)
-        return fused_projections(modules, x)
 
     @torch.inference_mode()
     def forward(self, seqs: list[SeqInput], all_logits: bool = False) -> torch.Tensor:
@@ -166,7 +152,7 @@ class ModelRunner:
         for li, layer in enumerate(self.decoder.layers):
             attn = layer.self_attn
             x = rms_norm(layer.input_layernorm, h)
-            q, k, v = self._project(self.merged[li][0], [attn.q_proj, attn.k_proj, attn.v_proj], x)
+            q, k, v = fused_projections([attn.q_proj, attn.k_proj, attn.v_proj], x)
             q = q.view(T, self.num_heads, self.head_dim)
             k = k.view(T, self.num_kv_heads, self.head_dim)
             v = v.view(T, self.num_kv_heads, self.head_dim)
@@ -184,7 +170,7 @@ class ModelRunner:
                                           self.kernel_device, num_tokens=len(rows))
             h = h + attn.o_proj(o)
             mlp = layer.mlp
-            gate, up = self._project(self.merged[li][1], [mlp.gate_proj, mlp.up_proj],
-                                     rms_norm(layer.post_attention_layernorm, h))
+            gate, up = fused_projections([mlp.gate_proj, mlp.up_proj],
+                                         rms_norm(layer.post_attention_layernorm, h))
             h = h + mlp.down_proj(mlp.act_fn(gate) * up)
         return rms_norm(self.decoder.norm, h)
