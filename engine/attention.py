@@ -48,8 +48,7 @@ class TorchPagedAttention:
         T = q.shape[0]
         H, KV, G, hd = self.num_heads, self.num_kv_heads, self.group, self.head_dim
         out = torch.empty(T, H * hd, device=q.device, dtype=q.dtype)
-        dec = layout.decode
-        if dec is not None:
+        for dec in layout.decode_groups:  # rows of similar lengths: little padding (``attention_layout``)
             B = dec.blocks.shape[0]
             keys, values = self.cache.gather(layer, dec.blocks.view(-1))           # [KV, B * span, hd]
             keys = keys.view(KV * B, dec.span, hd)

@@ -21,8 +21,19 @@ among prefills, fewest remaining tokens first (chunked prefill: a prompt longer 
 budget takes several steps, its K/V cached chunk by chunk), so a short prompt arriving
 behind a 4k-token one starts at the next step instead of after it. A prefill left out for
 ``max_bypass_steps`` steps in a row goes first: shorter prompts cannot starve a long one.
-Admission stops at the first waiting request that would get no token this step. Without
-a budget every running request feeds all its uncomputed tokens.
+Admission stops at the first waiting request that would get no token this step (a long
+prompt, below, is passed over instead: the shorter requests behind it start). Without a
+budget every running request feeds all its uncomputed tokens.
+
+Long prefills (``long_prefill_tokens``): a prompt with more tokens left than that feeds at
+most that many a step, and none in a step that already prefills another prompt (unless it
+was left out ``max_bypass_steps`` steps). Why: the budget sets how many short prompts one
+step batches (big GEMMs are cheaper per token, so a large budget serves more tokens per
+second), while a step's duration is what a request arriving during it waits, and what
+every running decode waits for its next token. The cap lets a large budget batch many short
+prompts while a long prompt's chunks stay short steps, and a short prompt's first token
+never waits behind a long chunk in its own step. A step still feeds at most the budget:
+every decode row, then prefill chunks.
 """
 
 from __future__ import annotations
@@ -60,13 +71,17 @@ class BlockSpace(Protocol[S]):
 class Scheduler(Generic[S]):
     def __init__(self, validate_batch: Callable[[set], bool], is_pinned: Callable[[Hashable], bool],
                  max_batch_size: int, max_bypass_steps: int = 16, blocks: Optional[BlockSpace] = None,
-                 max_num_batched_tokens: Optional[int] = None):
+                 max_num_batched_tokens: Optional[int] = None, long_prefill_tokens: Optional[int] = None):
         """``blocks``: the KV cache's block accounting; None schedules by slots and batch size only.
         ``max_num_batched_tokens``: tokens one step may feed (at least ``max_batch_size``, so every decode
-        fits); None: no budget, no chunking."""
+        fits); None: no budget, no chunking. ``long_prefill_tokens``: a prefill with more tokens left is long
+        (capped at that many a step, yielding to other prefills); None: the budget (no prefill is long)."""
         if max_num_batched_tokens is not None and max_num_batched_tokens < max_batch_size:
             raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} is below max_batch_size="
                              f"{max_batch_size}: one step must fit every running request's next token")
+        if long_prefill_tokens is not None and long_prefill_tokens < 1:
+            raise ValueError(f"long_prefill_tokens must be at least 1 (got {long_prefill_tokens})")
+        self.long_prefill_tokens = long_prefill_tokens
         self.validate_batch = validate_batch
         self.is_pinned = is_pinned
         self.max_batch_size = max_batch_size
@@ -116,6 +131,8 @@ class Scheduler(Generic[S]):
             if len(self.running) + len(admitted) >= self.max_batch_size:
                 break
             if not self._gets_tokens(seq, admitted):
+                if self._is_long(seq):
+                    continue  # a long prompt waits for the running prefills; shorter ones behind it may start
                 break  # FIFO: it would get no token this step, and nobody overtakes it
             fits = self.validate_batch(uids | {seq.uid})
             if blocked_head is not None and fits:
@@ -138,6 +155,10 @@ class Scheduler(Generic[S]):
         self.running.extend(admitted)
         return admitted
 
+    def _is_long(self, seq: S) -> bool:
+        """A prefill with more than ``long_prefill_tokens`` left (capped a step, yielding to other prefills)."""
+        return self.long_prefill_tokens is not None and self._wanted(seq) > self.long_prefill_tokens
+
     @staticmethod
     def _wanted(seq: S) -> int:
         """Tokens ``seq`` has yet to feed: 1 while decoding, the uncached prompt (and output) while prefilling."""
@@ -158,7 +179,8 @@ class Scheduler(Generic[S]):
     def plan_step(self) -> list[tuple[S, int]]:
         """(request, tokens it feeds this step) for the running requests that feed any: decodes first, then
         prefill chunks, fewest remaining tokens first (a prefill starved ``max_bypass_steps`` steps first of all),
-        until the budget is spent; a request left out feeds next step."""
+        until the budget is spent; a long prefill feeds at most ``long_prefill_tokens``, and only as the step's
+        first prefill (or when starved); a request left out feeds next step."""
         if self.max_num_batched_tokens is None:
             return [(seq, self._wanted(seq)) for seq in self.running]
         by_age = sorted(self.running, key=self._order)
@@ -170,11 +192,19 @@ class Scheduler(Generic[S]):
                 left -= 1
         prefills = [seq for seq in by_age if self._wanted(seq) > 1]
         prefills.sort(key=lambda seq: (self._starved.get(id(seq), 0) < self.max_bypass_steps, self._wanted(seq)))
+        cap = self.long_prefill_tokens
+        prefilling = False
         for seq in prefills:
             if left <= 0:
                 break
-            plan.append((seq, min(self._wanted(seq), left)))
+            wanted = self._wanted(seq)
+            starved = self._starved.get(id(seq), 0) >= self.max_bypass_steps
+            long = self._is_long(seq)
+            if long and prefilling and not starved:
+                continue  # a long prompt's chunk would lengthen a step that already prefills a shorter prompt
+            plan.append((seq, min(wanted, left, cap) if long else min(wanted, left)))
             left -= plan[-1][1]
+            prefilling = True
         return plan
 
     def note_plan(self, plan: list[tuple[S, int]]) -> None:

@@ -116,7 +116,7 @@ class StepLoop:
         plan = self.scheduler.plan_step()
         self.scheduler.note_plan(plan)
         inputs = [SeqInput(seq.block_table, seq.token_at(seq.num_computed, seq.num_computed + n), seq.num_computed,
-                           slots[seq.uid]) for seq, n in plan]
+                           slots[seq.uid], scored=seq.prompt_logprobs is not None) for seq, n in plan]
         started = time.perf_counter()
         logits = self.runner.forward(inputs)
         self.steps += 1

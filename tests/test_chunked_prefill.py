@@ -1,4 +1,5 @@
-"""The per-step token budget: decodes first, prefills chunked in arrival order, admission within the budget."""
+"""The per-step token budget: decodes first, prefills chunked in arrival order, admission within the budget;
+long prompts capped per step and yielding to shorter ones."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from engine.block_manager import BlockManager
 from engine.detokenizer import IncrementalDetokenizer
 from engine.demo.tokenizer import build_tokenizer
 from engine.kv_cache import PagedKVCache
-from engine.kv_setup import DEFAULT_TOKEN_BUDGET, token_budget
+from engine.kv_setup import DEFAULT_LONG_PREFILL, DEFAULT_TOKEN_BUDGET, long_prefill_cap, token_budget
 from engine.live_settings import apply_live_settings
 from engine.request import GenerateRequest
 from engine.scheduler import Scheduler
@@ -21,12 +22,12 @@ from engine.sequence import Sequence
 TOKENIZER = build_tokenizer()
 
 
-def make(budget, num_blocks=64, block_size=4, max_batch=4):
+def make(budget, num_blocks=64, block_size=4, max_batch=4, cap=None):
     cache = PagedKVCache(1, num_blocks, block_size, 1, 2, device=torch.device("cpu"), dtype=torch.float32,
                          prefix_caching=False)
     blocks = BlockManager(cache, watermark=0)
     return Scheduler(lambda uids: True, lambda uid: False, max_batch, 16, blocks=blocks,
-                     max_num_batched_tokens=budget), blocks
+                     max_num_batched_tokens=budget, long_prefill_tokens=cap), blocks
 
 
 def seq(prompt_len, max_tokens=3):
@@ -157,3 +158,59 @@ def test_the_profiling_forward_runs_a_full_budget_step_and_the_reserve_leaves_th
                                 memory_fraction=0.5, reserve_bytes=1 << 50)
     finally:
         engine.shutdown()
+
+
+# Long prefills: capped at ``long_prefill_tokens`` a step and yielding to shorter prompts' prefills, so a short
+# request's first token never waits behind a long chunk in its own step; a starved long prefill still goes.
+
+def test_a_long_prompt_feeds_at_most_the_cap_and_short_prompts_share_the_budget():
+    sched, blocks = make(budget=64, num_blocks=512, max_batch=8, cap=16)
+    long = seq(100)
+    sched.add(long)
+    assert step(sched, blocks) == [(long, 16)]                  # alone: a capped chunk, not the whole budget
+    shorts = [seq(12), seq(14), seq(10)]
+    for s in shorts:
+        sched.add(s)
+    # the short prompts (none over the cap) are batched whole, fewest tokens first; the long one yields this step
+    assert step(sched, blocks) == [(shorts[2], 10), (shorts[0], 12), (shorts[1], 14)]
+    assert step(sched, blocks) == [*[(s, 1) for s in shorts], (long, 16)]   # decodes, then its next chunk
+
+
+def test_a_long_prompt_left_out_max_bypass_steps_goes_with_the_short_ones():
+    sched, blocks = make(budget=64, num_blocks=512, max_batch=8, cap=16)
+    sched.max_bypass_steps = 2
+    long = seq(100, max_tokens=1)
+    sched.add(long)
+    step(sched, blocks)
+    fed = []
+    for _ in range(4):
+        sched.add(seq(8, max_tokens=1))
+        fed.append([n for s, n in step(sched, blocks) if s is long])
+    assert fed[:2] == [[], []] and fed[2] == [16]              # starved twice, then first, still capped
+
+
+def test_without_a_cap_nothing_is_long():
+    sched, blocks = make(budget=64, num_blocks=512, max_batch=8)
+    long, short = seq(100), seq(10)
+    sched.add(long)
+    sched.add(short)
+    assert step(sched, blocks) == [(short, 10), (long, 54)]
+
+
+def test_the_cap_defaults_per_device_only_with_the_default_budget():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert long_prefill_cap(AppArgs().engine_config(), cpu) == DEFAULT_LONG_PREFILL["cpu"] == 256
+    assert long_prefill_cap(AppArgs().engine_config(), cuda) is None
+    assert long_prefill_cap(AppArgs(max_num_batched_tokens=4096).engine_config(), cpu) is None
+    assert long_prefill_cap(AppArgs(max_num_batched_tokens=4096, long_prefill_tokens=512).engine_config(), cpu) == 512
+
+
+def test_a_waiting_long_prompt_does_not_hold_back_the_short_ones_behind_it():
+    sched, blocks = make(budget=64, num_blocks=512, max_batch=8, cap=16)
+    first, second, short = seq(200), seq(200), seq(10)
+    sched.add(first)
+    step(sched, blocks)
+    sched.add(second)                  # would get no token while the first one prefills...
+    sched.add(short)                   # ...so the short prompt behind it starts now
+    assert step(sched, blocks) == [(short, 10)]
+    assert list(sched.waiting) == [second]

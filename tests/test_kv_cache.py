@@ -189,3 +189,11 @@ def test_backend_choice_and_the_layout_it_reads():
     assert cache.layout == "head_major" and isinstance(make_attention(cache, 1, 1, 8), TorchPagedAttention)
     with pytest.raises(ValueError, match="unknown KV layout"):
         PagedKVCache(1, 2, 4, 1, 8, device=cpu, dtype=torch.float32, layout="nhd")
+
+
+def test_decode_rows_of_very_different_lengths_gather_in_separate_groups():
+    from engine.attention_layout import decode_groups
+
+    assert decode_groups([5, 5, 6, 5]) == [[0, 1, 3, 2]]                  # similar lengths: one gather
+    assert decode_groups([7, 257, 6, 8, 7]) == [[2, 0, 4, 3], [1]]        # the 4k-token row alone
+    assert decode_groups([]) == []
