@@ -279,13 +279,3 @@ def test_a_requests_prompt_tokens_are_counted_or_estimated_from_its_text():
             {"role": "user", "content": [{"type": "text", "text": "not counted"}]}]
     assert request_prompt_tokens(GenerateRequest(messages=chat)) == 100
     assert request_prompt_tokens(GenerateRequest()) == 0 and request_prompt_tokens(None) == 0
-
-
-def test_a_directory_reply_carries_other_routers_oldest_waits_and_a_reply_without_them_keeps_the_last():
-    v = RouterView()
-    v.apply_directory_reply({"epoch": "e", "version": 1, "full": {}, "waiting": {"r0": 100.0}})
-    assert v.others_waiting == {"r0": 100.0}
-    v.apply_directory_reply({"epoch": "e", "version": 2, "changes": {}})  # from a directory that keeps no board
-    assert v.others_waiting == {"r0": 100.0}
-    v.apply_directory_reply({"epoch": "e", "version": 3, "changes": {}, "waiting": {}})
-    assert v.others_waiting == {}
