@@ -22,7 +22,6 @@ from pool.errors import AdapterNotFoundError
 from routing.directory import AdapterDirectory
 from routing.plan import planned_on
 from routing.settings import RoutingSettings
-from routing.waiting_board import WaitingBoard
 from routing.warm_start import AdapterPlacement, rehome_targets, warm_start_plan
 
 from .metrics import DirectoryMetrics
@@ -68,7 +67,6 @@ class AdapterDirectoryActor:
         self.metrics = DirectoryMetrics()
         self._view_changes = _Versioned()
         self._registry_changes = _Versioned()
-        self.waiting = WaitingBoard(ttl_s=2 * self.settings.poll_timeout_s)  # routers' oldest waits per replica
         self._app = serve.get_replica_context().app_name
         self._departed: dict[str, tuple[float, list[str]]] = {}  # replica -> (when, uids it held in slots)
         self.registry: dict[str, RegistryEntry] = self._load_registry()
@@ -205,18 +203,9 @@ class AdapterDirectoryActor:
                              "kept": list(plan.slotted.get(replica_id, ()))}
         return reply
 
-    async def get_changes(self, since_version: int = -1, timeout_s: float = 0.0, plan_version: int = -1,
-                          router_id: Optional[str] = None, waiting: Optional[dict] = None) -> dict:
+    async def get_changes(self, since_version: int = -1, timeout_s: float = 0.0, plan_version: int = -1) -> dict:
         """Long poll for routers: replica states changed after ``since_version``, and the placement
-        plan when its version is not ``plan_version`` (it changes rarely: hysteresis). ``router_id`` and
-        ``waiting``: the caller's oldest waiting request per replica (``routing.waiting_board``); the reply's
-        ``waiting`` is the oldest of every other router's, as they stand when it returns."""
-        if router_id is not None:
-            self.waiting.post(router_id, waiting)
-            if waiting or self.waiting.others(router_id):
-                # requests wait in some router: the board must stay fresh (a request that leaves its row to a
-                # wait already served idles the row), so the poll returns within waiting_poll_s
-                timeout_s = min(timeout_s, self.settings.waiting_poll_s)
+        plan when its version is not ``plan_version`` (it changes rarely: hysteresis)."""
         if self.directory.plan.version == plan_version:
             await self._view_changes.wait_past(since_version, timeout_s, lambda: self.directory.version)
         version, changes = self.directory.changes_since(since_version)
@@ -227,8 +216,6 @@ class AdapterDirectoryActor:
             reply["changes"] = changes
         if self.directory.plan.version != plan_version:
             reply["plan"] = self.directory.plan.to_dict()
-        if router_id is not None:
-            reply["waiting"] = self.waiting.others(router_id)
         return reply
 
     async def placement_plan(self) -> dict:

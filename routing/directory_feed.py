@@ -36,12 +36,8 @@ class ExportedMetrics(Protocol):
 
 
 class DirectoryFeed:
-    def __init__(self, settings: RoutingSettings, view: RouterView, metrics: ExportedMetrics, call: GetChanges,
-                 has_waiting: Callable[[], bool] = lambda: False):
-        """``has_waiting``: whether requests wait in this router; while they do, a poll goes out at least every
-        ``waiting_poll_s`` (what it tells the directory of them must stay fresh, however few requests it routes)."""
+    def __init__(self, settings: RoutingSettings, view: RouterView, metrics: ExportedMetrics, call: GetChanges):
         self.settings, self.view, self.metrics, self.call = settings, view, metrics, call
-        self.has_waiting = has_waiting
         self.routed = 0  # requests routed so far (paces the feed)
         self._routed_at_poll = -settings.requests_per_poll  # the first poll goes out at once
         self._due = threading.Event()  # set once requests_per_poll requests were routed since the last poll
@@ -68,14 +64,11 @@ class DirectoryFeed:
             # under traffic, sleep until it makes a poll due (request_routed sets the event) or the period ends;
             # idle (nothing routed since the last poll), poll again at once: the long poll itself waits for a change
             if self.routed != self._routed_at_poll:
-                period = s.waiting_poll_s if self.has_waiting() else s.poll_timeout_s
-                self._due.wait(max(0.0, min(last_poll + period,
+                self._due.wait(max(0.0, min(last_poll + s.poll_timeout_s,
                                             exported + s.metrics_export_interval_s) - time.monotonic()))
             else:
                 self._due.set()
             now = time.monotonic()
-            if self.has_waiting() and now - last_poll >= s.waiting_poll_s:
-                self._due.set()
             if now - exported >= s.metrics_export_interval_s:
                 exported = now
                 last = self.view.last_update

@@ -40,7 +40,6 @@ import asyncio
 import logging
 import threading
 import time
-import uuid
 from collections import Counter
 from typing import List, Optional
 
@@ -110,7 +109,6 @@ class AdapterAffinityRouter(RequestRouter):
         self.view = RouterView(ttl_s=s.view_ttl_s)
         self.local = LocalRouterState(settings=s)
         self.directory_deployment = directory_deployment
-        self.router_id = uuid.uuid4().hex  # how the directory's waiting board tells this router from the others
         self.decisions: Counter = Counter()  # affinity | spill | placement | base | wait | waited
         self.feed: Optional[DirectoryFeed] = None  # started at the first decision (it needs the running loop)
         self._directory_handle = None
@@ -188,8 +186,6 @@ class AdapterAffinityRouter(RequestRouter):
                     counted = True
                     self._waiting[adapter] += 1
                     self._waiters.join_line(first_seen, request_id or "")
-                if decision.best is not None:
-                    self._waiters.waits_for(first_seen, request_id or "", self._ids[decision.best])
                 self.decisions["wait"] += 1
                 self.metrics.decision("wait")
                 others = self._others_fill(decision.best)
@@ -230,10 +226,6 @@ class AdapterAffinityRouter(RequestRouter):
 
     def _decide(self, adapter: Optional[str], waited_s: float = 0.0, first_in_line: bool = False):
         ids, cache, local = self._ids, self.replica_queue_len_cache, self.local
-        others = self.view.others_waiting
-        # a replica another router's request has waited fair_slack_s longer for is full for this one: its next
-        # free row is that request's (the other router's oldest waiter polls for it every capacity_poll_s)
-        owed_before = time.time() - waited_s - self.settings.fair_slack_s if others else None
         loads = []
         for rid, cap in zip(ids, self._caps):
             probed = cache.get(self._by_id[rid].replica_id)
@@ -241,8 +233,6 @@ class AdapterAffinityRouter(RequestRouter):
             q += local.pending.get(rid, 0)
             if q >= cap:
                 local.saw_full(rid)
-            elif owed_before is not None and others.get(rid, owed_before) < owed_before:
-                q = cap
             loads.append(q)
         return choose_replicas(adapter, self.view.fleet_view(ids, adapter), loads, self.settings,
                                caps=self._caps, request_s=local.request_s_by_index(ids),
@@ -316,8 +306,7 @@ class AdapterAffinityRouter(RequestRouter):
 
     def _ensure_polling(self) -> None:
         if self.feed is None:
-            self.feed = DirectoryFeed(self.settings, self.view, self.metrics, self._get_changes,
-                                      has_waiting=lambda: bool(self._waiting))
+            self.feed = DirectoryFeed(self.settings, self.view, self.metrics, self._get_changes)
         self.feed.ensure_running(asyncio.get_running_loop())
 
     def _get_changes(self, since_version: int, timeout_s: float, plan_version: int) -> dict:
@@ -326,7 +315,5 @@ class AdapterAffinityRouter(RequestRouter):
 
         if self._directory_handle is None:
             self._directory_handle = serve.get_deployment_handle(self.directory_deployment, app_name=self.app_name)
-        wall = time.time() - time.monotonic()  # this router's line is in monotonic time; the board compares routers
-        waiting = {rid: since + wall for rid, since in self._waiters.oldest_per_replica().items()}
-        return self._directory_handle.get_changes.remote(since_version, timeout_s, plan_version, self.router_id,
-                                                         waiting).result(timeout_s=timeout_s + 10)
+        return self._directory_handle.get_changes.remote(since_version, timeout_s, plan_version).result(
+            timeout_s=timeout_s + 10)

@@ -82,10 +82,6 @@ class RoutingSettings:
     max_router_wait: float = _setting(4.0, "row waits", POLICY,
                                       "a request waits for a planned row at most this long; then any free row "
                                       "will do, the cheapest first")
-    fair_slack_s: float = _setting(0.5, "s", POLICY,
-                                   "a request leaves a free row to another router's request that has waited this "
-                                   "much longer for that replica (as the directory last said): rows go to the "
-                                   "oldest waiting request of any router, within the feed's staleness")
     candidate_width: int = _setting(4, "count", POLICY,
                                     "fleets above 16 replicas (``routing.policy.SMALL_FLEET``): the "
                                     "rendezvous-first and the least loaded replicas scored per decision", minimum=1)
@@ -126,10 +122,6 @@ class RoutingSettings:
     send_ttl_s: float = _setting(1.0, "s", FEED,
                                  "a decision handed to Serve counts against its replica until sent, at most this "
                                  "long", above=True)
-    waiting_poll_s: float = _setting(0.5, "s", FEED,
-                                     "while requests wait in any router, a directory long poll returns within this, "
-                                     "so what each router says of its oldest waiting requests stays fresh "
-                                     "(fair_slack_s)", above=True)
     # ---- the fleet plan (routing.plan, run by the directory)
     plan_interval_s: float = _setting(1.0, "s", PLAN, "how often the directory revisits the plan", above=True)
     target_utilization: float = _setting(0.75, "share", PLAN,

@@ -40,9 +40,6 @@ class RouterView:
         self._scores_for: tuple[str, ...] = ()
         self.plan: Optional[PlacementPlan] = None  # the directory's placement plan (routing.plan)
         self._prefill_mean: tuple[int, Optional[float]] = (-1, None)  # (generation, mean measured prefill rate)
-        # replica -> when the oldest request another router has waiting for its rows first asked (wall clock;
-        # routing.waiting_board), as of the last directory reply
-        self.others_waiting: dict[str, float] = {}
 
     @property
     def plan_version(self) -> int:
@@ -52,9 +49,7 @@ class RouterView:
 
     def apply_directory_reply(self, reply: Mapping) -> None:
         """A ``get_changes`` reply: deltas, or a full view (first poll, restart, or a log gap), and
-        the placement plan when it changed, and other routers' oldest waiting request per replica."""
-        if "waiting" in reply:
-            self.others_waiting = dict(reply["waiting"])
+        the placement plan when it changed."""
         if reply.get("plan") is not None:
             self.plan = PlacementPlan.from_dict(reply["plan"])
             self._touch()

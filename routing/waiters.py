@@ -19,7 +19,6 @@ class OldestFirstWaiters:
         self._waiting: list[tuple[float, int, asyncio.Future]] = []  # sorted by (first seen, arrival)
         self._counter = itertools.count()
         self._line: list[tuple[float, str]] = []  # (first seen, request id) of every request waiting, asleep or not
-        self._waits_for: dict[str, tuple[float, str]] = {}  # request id -> (first seen, the replica it waits for)
 
     def join_line(self, since: float, request_id: str) -> None:
         """A request starts waiting for capacity (it stays in line while it decides again between sleeps)."""
@@ -27,20 +26,6 @@ class OldestFirstWaiters:
 
     def leave_line(self, since: float, request_id: str) -> None:
         self._line.remove((since, request_id))
-        self._waits_for.pop(request_id, None)
-
-    def waits_for(self, since: float, request_id: str, replica_id: str) -> None:
-        """The replica a request in line waits for a row of (its best, as it last decided)."""
-        self._waits_for[request_id] = (since, replica_id)
-
-    def oldest_per_replica(self) -> dict[str, float]:
-        """Per replica, when the oldest request in line waiting for one of its rows first asked: what this
-        router tells the others (``routing.waiting_board``), so a row goes to the oldest request of any router."""
-        oldest: dict[str, float] = {}
-        for since, replica_id in list(self._waits_for.values()):  # (called from the feed's thread: a copy)
-            if since < oldest.get(replica_id, float("inf")):
-                oldest[replica_id] = since
-        return oldest
 
     def is_oldest(self, request_id: str) -> bool:
         """Whether ``request_id`` heads the line: no request waiting in this router is older."""

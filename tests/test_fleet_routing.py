@@ -169,22 +169,3 @@ def test_a_new_placement_is_read_ahead_before_its_first_request(fleet):
         assert generate(fleet, "read-ahead").replica_id in holders
     finally:
         fleet.unregister_adapter.remote("read-ahead").result()
-
-
-def test_the_directory_tells_each_router_the_oldest_requests_other_routers_have_waiting(fleet):
-    """Router a posts its oldest waiting request for a replica with its poll; router b's poll returns it, and
-    returns within waiting_poll_s while anything waits (its own long poll asked for 5 s); an empty post
-    clears a's entry. Unknown router ids are separate posters, never each other's."""
-    import time
-
-    d = directory()
-    version = d.get_changes.remote(-1, 0.0).result(timeout_s=10)["version"]
-    d.get_changes.remote(version, 0.0, -1, "router-a", {"replica-x": 1000.0}).result(timeout_s=10)
-    started = time.monotonic()
-    reply = d.get_changes.remote(version, 5.0, -1, "router-b", {}).result(timeout_s=15)
-    assert reply["waiting"].get("replica-x") == 1000.0
-    assert time.monotonic() - started < 4.0  # a's waits keep b's poll short (waiting_poll_s, 0.5 s)
-    assert "replica-x" not in d.get_changes.remote(version, 0.0, -1, "router-a", {"replica-x": 1000.0}).result(
-        timeout_s=10)["waiting"]  # a router is not told its own
-    d.get_changes.remote(version, 0.0, -1, "router-a", {}).result(timeout_s=10)
-    assert "replica-x" not in d.get_changes.remote(version, 0.0, -1, "router-b", {}).result(timeout_s=10)["waiting"]
