@@ -69,16 +69,23 @@ def test_decodes_go_first_then_the_shortest_prefills_with_what_is_left():
     assert sched.prefill_chunks == 4
 
 
+def fed_under_short_arrivals(sched, blocks, long, steps: int) -> list[list[int]]:
+    """``long`` admitted (one step), then an 8-token prompt arriving before each of ``steps`` steps: the chunks
+    each of those steps fed ``long``."""
+    sched.add(long)
+    step(sched, blocks)
+    fed = []
+    for _ in range(steps):
+        sched.add(seq(8, max_tokens=1))
+        fed.append([n for s, n in step(sched, blocks) if s is long])
+    return fed
+
+
 def test_a_long_prefill_is_not_starved_by_a_stream_of_short_ones():
     sched, blocks = make(budget=8, num_blocks=512, max_batch=8)
     sched.max_bypass_steps = 3
     long = seq(40, max_tokens=1)
-    sched.add(long)
-    step(sched, blocks)
-    fed_long = []
-    for _ in range(12):
-        sched.add(seq(8, max_tokens=1))                 # each alone fills the budget, every step
-        fed_long.append(any(s is long for s, _ in step(sched, blocks)))
+    fed_long = [bool(n) for n in fed_under_short_arrivals(sched, blocks, long, 12)]  # each short fills the budget
     assert fed_long[:3] == [False] * 3 and fed_long[3]  # left out 3 steps in a row, then it goes first
     assert long.num_computed > 8
 
@@ -180,12 +187,7 @@ def test_a_long_prompt_left_out_max_bypass_steps_goes_with_the_short_ones():
     sched, blocks = make(budget=64, num_blocks=512, max_batch=8, cap=16)
     sched.max_bypass_steps = 2
     long = seq(100, max_tokens=1)
-    sched.add(long)
-    step(sched, blocks)
-    fed = []
-    for _ in range(4):
-        sched.add(seq(8, max_tokens=1))
-        fed.append([n for s, n in step(sched, blocks) if s is long])
+    fed = fed_under_short_arrivals(sched, blocks, long, 4)
     assert fed[:2] == [[], []] and fed[2] == [16]              # starved twice, then first, still capped
 
 

@@ -176,7 +176,9 @@ def test_version_flip_under_traffic(sources_fleet):
     v1_uid_gone = lambda: not any(u.startswith("flip@") and not u.startswith("flip@v2")
                                   for s in admin("GET", f"{base}/v1/adapters").json()["replicas"].values()
                                   for u in s["resident"])
-    wait_until(v1_uid_gone, 90, "v1 to drain and unload everywhere")
+    wait_until(v1_uid_gone, 90, "v1 to drain and unload everywhere",
+               detail=lambda: {r: [u for u in s["resident"] if u.startswith("flip@")]
+                               for r, s in admin("GET", f"{base}/v1/adapters").json()["replicas"].items()})
     models = httpx.get(f"{base}/v1/models", timeout=30).json()["data"]
     assert "flip" in [m["id"] for m in models] and "flip@v2" not in [m["id"] for m in models]
     assert admin("POST", f"{base}/v1/adapters", json={"name": "flip", "source": f"{demo_dir}/demo-0"}).status_code == 409

@@ -24,7 +24,8 @@ from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequ
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from routing.hashing import rendezvous_order
-from routing.ray_router import AdapterAffinityRouter, request_adapter
+from routing.ray_router import AdapterAffinityRouter
+from routing.request_fields import request_adapter
 
 ROUTER_ENV = "LORAFLEET_BENCH_ROUTER"
 
