@@ -20,6 +20,7 @@ import torch
 from ray import serve
 
 from engine.engine import LoRAEngine
+from engine.errors import AdapterUnregisteredError
 from engine.request import GenerateRequest, GenerateResult, ReplicaTarget, TokenDelta
 from pool.errors import AdapterNotFoundError, LoRAFleetError
 from pool.events import PoolEvent
@@ -212,6 +213,12 @@ class LoRAWorker:
             except SourceChangedError:
                 await asyncio.to_thread(self.engine.unregister_uid, entry.uid, 0.0)  # never serve other weights
                 raise
+            current = self.registry.entries.get(entry.name)
+            if current is None or current.uid != entry.uid:
+                # retired while it was read: the retire found nothing here to unload, so nothing else will
+                # unload it; undo the load and let the request re-pick its version
+                await asyncio.to_thread(self.engine.unregister_uid, entry.uid, 0.0)
+                raise AdapterUnregisteredError(f"adapter {entry.name!r} was retired while it loaded")
         finally:
             self.loading.discard(entry.uid)
 
