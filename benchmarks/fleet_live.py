@@ -218,8 +218,21 @@ class Fleet:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{self.variant}: not every worker reported within 300 s")
             time.sleep(0.2)
+        return self.emulation_totals()["loads"]
+
+    def emulation_totals(self) -> dict:
+        """Every replica's emulation counters summed: slot loads, steps, and the steps' sleeps and host work."""
+        from ray import serve
+
+        from engine.request import ReplicaTarget
+
         handle = serve.get_deployment_handle("LoRAWorker", app_name=APP)
-        return sum(handle.emulation_stats.remote(ReplicaTarget(rid)).result()["loads"] for rid in self._replica_ids())
+        totals: dict[str, float] = {}
+        for rid in self._replica_ids():
+            for key, value in handle.emulation_stats.remote(ReplicaTarget(rid)).result().items():
+                if key in ("loads", "steps", "step_s", "copy_s", "step_wall_s", "step_host_s"):
+                    totals[key] = totals.get(key, 0) + value
+        return totals
 
     def load_sources(self) -> tuple[dict, dict]:
         """Fleet-wide slot loads per adapter name so far (the directory's counts, from every pool's events) and the
@@ -260,7 +273,8 @@ def _q(values: list[float], p: float) -> float:
 def measure(fleet: Fleet, seg: Segment, requests: list, meter, started_at: float) -> dict:
     import psutil
 
-    loads_before = fleet.loads()
+    before = fleet.emulation_totals()
+    loads_before = before["loads"]
     counts_before, plan_before = fleet.load_sources()
     kinds_before = fleet.decisions()
     seg_start = time.time() - started_at
@@ -269,7 +283,9 @@ def measure(fleet: Fleet, seg: Segment, requests: list, meter, started_at: float
     out = fleet.replay(requests)
     machine_after = psutil.cpu_times()
     cpu = meter.stop()
-    loads = fleet.loads() - loads_before
+    after = fleet.emulation_totals()
+    loads = after["loads"] - loads_before
+    steps = max(1, after["steps"] - before["steps"])
     counts_after, plan_after = fleet.load_sources()
     sources = _load_sources(counts_before, counts_after, plan_after)
     kinds = {k: n - kinds_before.get(k, 0) for k, n in fleet.decisions().items() if n > kinds_before.get(k, 0)}
@@ -293,6 +309,15 @@ def measure(fleet: Fleet, seg: Segment, requests: list, meter, started_at: float
         "decisions": kinds,
         **sources,
         "ttft_s": [round(x, 4) if x is not None else None for x in out["ttft"]],
+        # where a TTFT went: sending to reaching the replica (routing, Serve's dispatch), to the adapter ready
+        # there (a disk read, or waiting for one); and each step's host work beyond the emulated sleeps
+        "arrive_p50_ms": 1000 * _q([x for x in out["arrived"] if x is not None], 50),
+        "arrive_p99_ms": 1000 * _q([x for x in out["arrived"] if x is not None], 99),
+        "step_host_ms": round(1000 * (after["step_host_s"] - before["step_host_s"]) / steps, 3),
+        "steps": int(after["steps"] - before["steps"]),
+        "arrive_s": [round(x, 4) if x is not None else None for x in out["arrived"]],
+        "ready_s": [round(x, 4) if x is not None else None for x in out["ready"]],
+        "replica_of": out["replicas"],
     }
     print(f"  {fleet.variant:>11} {seg.name:>10} loads={loads:4d} (planned {sources['loads_planned']}, repeated "
           f"{sources['loads_repeated']}, plan moves {row['plan_moves']}) ttft p50={row['ttft_p50_ms']:7.0f} "
@@ -447,11 +472,11 @@ def main(argv=None) -> list[dict]:
     if not args.no_sim:
         import os
 
-        from .sim.fleet_replay import agreement_with_live, live_starts, replay_fleet_live
+        from .sim.fleet_replay import agreement_with_live, live_starts, live_step_host, replay_fleet_live
 
         # the segments at the offsets they had here, on this machine's CPU count (the workers' read threads)
         sim_rows = replay_fleet_live(_settings(args, segments, costs), args.variants, starts=live_starts(rows),
-                                     cpu_count=os.cpu_count())
+                                     cpu_count=os.cpu_count(), step_host_s=live_step_host(rows))
         agreement = agreement_with_live(rows, sim_rows)
     columns = ["segment", "variant", "loads", "first_requests", "ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms", "req_per_s",
                "errors", "client_cpu_ms", "fleet_cpu_share", "machine_cpu_share"]

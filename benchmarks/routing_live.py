@@ -37,8 +37,9 @@ worker and trace), ``live_multi_router_loads_ratio`` <= 1.2 (3 routers / 1).
     python -m benchmarks.routing_live [--quick] [--json PATH] [--plot PATH]
 
 ``--quick``: skew only, concurrency 1 and 64, 200 requests per row at concurrency 1 (60 left
-run-to-run swings of 10-30% at concurrency 1) and 3 per client slot above (about five minutes
-on a quiet machine). The benchmark starts
+run-to-run swings of 10-30% at concurrency 1) and 8 per client slot above (3 per client left
+the same commit's affinity row at 58-72 req/s at concurrency 64 on a quiet machine; about six
+minutes on a quiet machine). The benchmark starts
 its own local Ray cluster with Serve's HTTP proxy disabled.
 """
 
@@ -91,8 +92,9 @@ def build_requests(setting: Setting, n: int, seed: int) -> list[tuple[str, str, 
 
 
 def requests_per_row(concurrency: int, args) -> int:
-    """Enough requests that every closed-loop client sends several."""
-    return max(args.requests or (200 if args.quick else 600), 3 * concurrency)
+    """Enough requests that every closed-loop client sends several (8: the ramp at the start and the tail at
+    the end, when fewer than ``concurrency`` requests are out, are a small part of the row)."""
+    return max(args.requests or (200 if args.quick else 600), 8 * concurrency)
 
 
 # ---------------------------------------------------------------------------- variants
@@ -401,7 +403,7 @@ def make_parser():
                         help="the router's tie tolerance app arg (default 0.25, the product default)")
     parser.add_argument("--alpha", type=float, default=0.3, help="S-LoRA power-law alpha (default 0.3)")
     parser.add_argument("--requests", type=int,
-                        help="requests per row (default 600; quick 200), at least 3 per client at high concurrency")
+                        help="requests per row (default 600; quick 200), at least 8 per client at high concurrency")
     parser.add_argument("--verbose", action="store_true", help="keep Ray Serve's driver-side log lines")
     parser.add_argument("--concurrency", type=int, nargs="+", help="concurrency levels (default 1 8 64; quick 1 64)")
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))

@@ -37,6 +37,9 @@ def test_steps_loads_and_reads_cost_the_models_time(emulated, demo_assets):
     assert emulation.steps == 5
     assert emulation.step_seconds == pytest.approx(costs.step_s(64) + costs.step_s(36) + 3 * costs.step_s(0))
     assert emulation.copy_seconds == pytest.approx(costs.host_copy_s(64))
+    # each step is timed whole: its sleeps, and the host work around them that the simulator must charge
+    assert emulation.step_wall_seconds >= emulation.step_seconds + emulation.copy_seconds
+    assert 0 < emulation.step_host_seconds < emulation.step_wall_seconds
     engine.generate_blocking(GenerateRequest(adapter="demo-1", token_ids=[12] * 8, max_tokens=1, ignore_eos=True))
     assert emulation.copy_seconds == pytest.approx(costs.host_copy_s(64))  # resident: no second copy
 

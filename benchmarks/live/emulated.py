@@ -43,6 +43,8 @@ class EmulatedCosts:
         self.step_seconds = 0.0
         self.copy_seconds = 0.0
         self.disk_seconds = 0.0
+        self.step_wall_seconds = 0.0  # wall time of the steps that ran a forward, host work included
+        self.step_host_seconds = 0.0  # of which neither the forward's nor a copy's sleep: the step's CPU work
         vocab = engine.model.config.vocab_size
         eos = set(getattr(engine, "eos_ids", ()) or ())
         self.token = next(t for t in range(vocab - 1, -1, -1) if t not in eos)  # a plain token, never EOS
@@ -77,6 +79,19 @@ class EmulatedCosts:
         pool._fetch_weights = copied
         store.register = registered
         store.fetch = fetched
+        step = engine._step
+
+        def timed_step() -> None:
+            """The step as the engine runs it, timed: what it took beyond the sleeps is host work (scheduling,
+            KV blocks, sampling, the pool) that a GPU replica pays too, and that the simulator must charge."""
+            steps, charged, started = self.steps, self.step_seconds + self.copy_seconds, time.perf_counter()
+            step()
+            if self.steps > steps:  # a forward ran (a step with nothing running costs nobody anything)
+                wall = time.perf_counter() - started
+                self.step_wall_seconds += wall
+                self.step_host_seconds += max(0.0, wall - (self.step_seconds + self.copy_seconds - charged))
+
+        engine._step = timed_step
 
     def rank_of(self, name: Optional[str]) -> int:
         return self.ranks.get(name, self.default_rank) if name is not None else 0
@@ -103,4 +118,5 @@ class EmulatedCosts:
 
     def stats(self) -> dict:
         return {"steps": self.steps, "step_s": round(self.step_seconds, 3), "copy_s": round(self.copy_seconds, 3),
-                "disk_s": round(self.disk_seconds, 3)}
+                "disk_s": round(self.disk_seconds, 3), "step_wall_s": round(self.step_wall_seconds, 3),
+                "step_host_s": round(self.step_host_seconds, 3)}

@@ -9,6 +9,7 @@ replicas through a router afterwards.
 
 from __future__ import annotations
 
+import contextvars
 import json
 import os
 import time
@@ -24,6 +25,8 @@ from .emulated import EmulatedCosts
 from .multiplexed_worker import MultiplexedAdapters
 
 ENV = "LORAFLEET_EMULATION"
+# the timed call's record of when its adapter was ready (set per request task; prefetches see None)
+_READY_AT: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("lorafleet_ready_at", default=None)
 
 
 def emulation_env(time_scale: float, ranks: dict[str, int]) -> dict:
@@ -62,12 +65,29 @@ class EmulatedLoRAWorker(LoRAWorker.func_or_class):
         self.get_adapter = self.mux.get_adapter  # where Serve looks for the multiplexed function
 
     async def generate_timed(self, request: GenerateRequest) -> dict:
+        """The request's result with the wall-clock times it reached this replica (``arrived_at``: routing and
+        Serve's dispatch before it), had its adapter ready (``ready_at``: a disk read or a wait for one) and
+        got its first token: the live run's split of a TTFT, which the simulator's replay is checked against."""
+        arrived = time.time()
+        ready = {"at": arrived}
         if serve.get_multiplexed_model_id():
             await self.mux.ensure(request)
+            ready["at"] = time.time()
             out = await _timed(self.engine.generate_stream(request, with_result=True))
             out["result"].replica_id = self.replica_id
-            return out
-        return await _timed(self.generate_stream(request))
+        else:
+            token = _READY_AT.set(ready)
+            try:
+                out = await _timed(self.generate_stream(request))
+            finally:
+                _READY_AT.reset(token)
+        return {**out, "arrived_at": arrived, "ready_at": ready["at"]}
+
+    async def _ensure_adapter(self, name: Optional[str]) -> None:
+        await super()._ensure_adapter(name)
+        ready = _READY_AT.get()
+        if ready is not None:
+            ready["at"] = time.time()
 
     def emulation_stats(self, target: Optional[ReplicaTarget] = None) -> dict:
         """The emulation's charged times, the multiplexer's counts and the pool's slot loads (its own counter:

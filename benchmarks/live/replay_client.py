@@ -42,6 +42,8 @@ class ReplayClient:
         ttft: list[Optional[float]] = [None] * n
         e2e: list[Optional[float]] = [None] * n
         replicas: list[Optional[str]] = [None] * n
+        arrived: list[Optional[float]] = [None] * n  # seconds from sending to reaching the replica
+        ready: list[Optional[float]] = [None] * n    # ... to the adapter being ready there
         errors: list[str] = []
 
         async def one(i: int, adapter: str, ids: list[int], max_tokens: int) -> None:
@@ -53,6 +55,7 @@ class ReplayClient:
                 ttft[i] = out["first_token_at"] - sent
                 e2e[i] = time.time() - sent
                 replicas[i] = out["result"].replica_id
+                arrived[i], ready[i] = out["arrived_at"] - sent, out["ready_at"] - sent
             except Exception as exc:  # counted and reported, never silently dropped
                 errors.append(f"{type(exc).__name__}: {str(exc)[-300:]}")
 
@@ -64,5 +67,5 @@ class ReplayClient:
                 await asyncio.sleep(delay)
             tasks.append(asyncio.ensure_future(one(i, adapter, ids, max_tokens)))
         await asyncio.gather(*tasks)
-        return {"ttft": ttft, "e2e": e2e, "replicas": replicas, "errors": errors,
+        return {"ttft": ttft, "e2e": e2e, "replicas": replicas, "arrived": arrived, "ready": ready, "errors": errors,
                 "wall_s": time.time() - start_at, "cpu_s": time.process_time() - cpu}

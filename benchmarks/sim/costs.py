@@ -66,6 +66,7 @@ class CostModel:
     host_cache_bytes: float = 8e9       # host tier per replica (LRU by bytes, like pool.host_cache)
     load_table: dict = field(default_factory=lambda: {r: _interpolated(r) for r in (8, 16, 32, 64)})
     token_budget: int = 8192            # tokens one step computes at most (prefill chunk + decode rows)
+    step_host_s: float = 0.0            # host work per step beyond the device's time (simulator only)
 
     def host_copy_s(self, rank: int) -> float:
         """A host-tier copy into a slot: stalls the step it happens in."""
@@ -78,6 +79,12 @@ class CostModel:
     def step_s(self, prefill_tokens: int) -> float:
         """One engine step: a decode token for every running row, plus ``prefill_tokens`` prompt tokens."""
         return self.decode_s_per_token + prefill_tokens * self.prefill_s_per_token
+
+    def step_wall_s(self, prefill_tokens: int) -> float:
+        """A step as a replica lives it: the device's time plus the host's work around it (scheduling, KV
+        blocks, sampling). The emulated engine sleeps only ``step_s`` and does that host work for real;
+        the simulator charges both (``step_host_s``, measured per step by ``benchmarks.fleet_live``)."""
+        return self.step_s(prefill_tokens) + self.step_host_s
 
     def scaled(self, factor: float) -> "CostModel":
         """Every time multiplied by ``factor`` (a slower device; bytes and budgets unchanged)."""
@@ -105,6 +112,7 @@ class CostModel:
             "decode_s_per_token": self.decode_s_per_token,
             "host_cache_bytes": self.host_cache_bytes,
             "token_budget": self.token_budget,
+            "step_host_s": self.step_host_s,
             "load_seconds_host_disk_by_rank": {str(r): list(v) for r, v in self.load_table.items()},
             "source": "benchmarks.swap full run (CPU, Llama-3-8B shapes, bf16); rank 32 interpolated",
         }

@@ -48,7 +48,7 @@ from .fleet import Simulator
 from .fleet_agreement import agreement_with_live
 from .scale_events import warm_start_at_deploy
 
-__all__ = ["agreement_with_live", "live_starts", "replay_fleet_live", "replay_variant"]
+__all__ = ["agreement_with_live", "live_starts", "live_step_host", "replay_fleet_live", "replay_variant"]
 
 VARIANT_ROUTER = {"affinity": "affinity", "multiplexed": "multiplex", "pow2": "pow2", "hash": "hash"}
 LIVE_LAG_S = {"affinity": 0.02, "multiplexed": 0.1}  # pool change -> the router's view (see the docstring)
@@ -86,6 +86,19 @@ def live_starts(live_rows: Sequence[Mapping]) -> dict[str, dict[str, float]]:
     return out
 
 
+def live_step_host(live_rows: Sequence[Mapping]) -> dict[str, float]:
+    """variant -> its replicas' host work per engine step in the live run (seconds; the step-weighted mean
+    of its measured cells' ``step_host_ms``): the time a live step takes beyond the emulated device's sleep.
+    Empty for runs that did not measure it."""
+    steps: dict[str, float] = {}
+    host: dict[str, float] = {}
+    for r in live_rows:
+        if r.get("step_host_ms") is not None and r.get("steps"):
+            steps[r["variant"]] = steps.get(r["variant"], 0.0) + r["steps"]
+            host[r["variant"]] = host.get(r["variant"], 0.0) + r["steps"] * r["step_host_ms"] / 1000
+    return {v: host[v] / steps[v] for v in steps}
+
+
 def _q(values: list[float], p: float) -> float:
     return float(np.percentile(values, p)) if values else math.nan
 
@@ -117,10 +130,12 @@ def read_threads(cpu_count: Optional[int]) -> Optional[int]:
 
 
 def replay_variant(settings: Mapping, variant: str, starts: Optional[Mapping[str, float]] = None,
-                   jitter_s: float = 0.0, seed: Optional[int] = None, cpu_count: Optional[int] = None) -> list[dict]:
+                   jitter_s: float = 0.0, seed: Optional[int] = None, cpu_count: Optional[int] = None,
+                   step_host_s: float = 0.0) -> list[dict]:
     """One variant's segments on one simulated fleet; a row per segment, the warm-up's included.
     ``jitter_s`` and ``seed`` (the routers' draws, the jitter's and Serve's random replica ids; default the run's
-    seed and ids replica-0000...): see ``jittered``. ``cpu_count``: the live machine's (``read_threads``)."""
+    seed and ids replica-0000...): see ``jittered``. ``cpu_count``: the live machine's (``read_threads``).
+    ``step_host_s``: each step's host work, as the live run measured it (``live_step_host``)."""
     if variant not in VARIANT_ROUTER:
         raise ValueError(f"unknown variant {variant!r}; choose one of {sorted(VARIANT_ROUTER)}")
     args, costs = _args(settings), costs_of(settings)
@@ -133,7 +148,8 @@ def replay_variant(settings: Mapping, variant: str, starts: Optional[Mapping[str
     ranks = adapter_ranks(args, costs)
     first = replace(traces[0], ranks=np.array([ranks[adapter_name(i)] for i in range(args.adapters)]))
     config = SimConfig(replicas=args.replicas, router=VARIANT_ROUTER[variant], slots=args.slots,
-                       max_batch=args.rows, lag_s=LIVE_LAG_S.get(variant, 0.1), seed=seed, costs=costs,
+                       max_batch=args.rows, lag_s=LIVE_LAG_S.get(variant, 0.1), seed=seed,
+                       costs=replace(costs, step_host_s=step_host_s),  # the fleet's steps; the traces' load is the device's
                        warmup_fraction=0.0, adapter_names=ADAPTER_NAMES, paced_feed=True,
                        read_threads=read_threads(cpu_count),
                        prior_load_s=(LIVE_PRIORS.host_load_s, LIVE_PRIORS.disk_load_s),
@@ -155,14 +171,17 @@ def replay_variant(settings: Mapping, variant: str, starts: Optional[Mapping[str
 def replay_fleet_live(settings: dict, variants: list[str],
                       starts: Optional[Mapping[str, Mapping[str, float]]] = None,
                       jitter_s: float = 0.0, seed: Optional[int] = None,
-                      cpu_count: Optional[int] = None) -> list[dict]:
+                      cpu_count: Optional[int] = None,
+                      step_host_s: Optional[Mapping[str, float]] = None) -> list[dict]:
     """Every variant's measured segments, simulated: rows ``{variant, segment, loads, ttft_p50_ms,
     ttft_p99_ms, e2e_p50_ms, e2e_p99_ms, ...}`` as ``fleet_live`` reports them. ``starts``: variant ->
     segment -> live ``start_s`` (``live_starts``); without it, segments run back to back. ``jitter_s``,
     ``seed``, ``cpu_count``: as ``replay_variant`` (jitter and seed for ensembles; the defaults replay the run
-    as it was sent; pass the live machine's CPU count: it bounds the workers' concurrent disk reads)."""
+    as it was sent; pass the live machine's CPU count: it bounds the workers' concurrent disk reads).
+    ``step_host_s``: variant -> its steps' measured host work (``live_step_host``; none: 0)."""
     out = []
     for variant in variants:
-        rows = replay_variant(settings, variant, (starts or {}).get(variant), jitter_s, seed, cpu_count)
+        rows = replay_variant(settings, variant, (starts or {}).get(variant), jitter_s, seed, cpu_count,
+                              (step_host_s or {}).get(variant, 0.0))
         out += [{k: v for k, v in r.items() if k != "measured"} for r in rows if r["measured"]]
     return out

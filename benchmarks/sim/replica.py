@@ -298,7 +298,7 @@ class SimReplica:
         if self._macro is None:
             return
         start, k = self._macro
-        d = self.costs.step_s(0)
+        d = self.costs.step_wall_s(0)
         done = max(1, math.ceil((self.loop.now - start) / d - 1e-9))
         if done < k:
             self._schedule_end(start + done * d, done)
@@ -346,13 +346,13 @@ class SimReplica:
             k = min(r.out_len - r.generated for r in sched.running)
             if k > 1:
                 self._macro = (now, k)
-                self._schedule_end(now + k * costs.step_s(0), k)
+                self._schedule_end(now + k * costs.step_wall_s(0), k)
                 return
         self._macro = None
         if prefill >= PREFILL_TIMED_MIN_TOKENS:
             tokens, seconds = self.prefill_timed
-            self.prefill_timed = (tokens + prefill, seconds + costs.step_s(prefill))
-        self._schedule_end(now + stall + costs.step_s(prefill), 0)
+            self.prefill_timed = (tokens + prefill, seconds + costs.step_wall_s(prefill))
+        self._schedule_end(now + stall + costs.step_wall_s(prefill), 0)
 
     def _restage(self, admitted: list[SimRequest]) -> None:
         """An admitted adapter the host tier dropped since its submission: the request goes back to the
