@@ -33,6 +33,7 @@ class SimConfig:
     costs: CostModel = field(default_factory=CostModel)
     prior_load_s: Optional[tuple[float, float]] = None  # affinity's (host, disk) load priors; None: from costs
     prior_request_s: Optional[float] = None             # affinity's request-time prior; None: from costs
+    dispatch_s: float = 0.0         # the router's send -> the replica has it (Serve's handle call)
     read_threads: Optional[int] = None  # disk reads at once per product worker (its to_thread executor); None: any
     replica_id_seed: Optional[int] = None  # None: replica-0000...; else random ids as Serve draws them (ensembles)
     adapter_names: Optional[str] = None  # format of adapter i's name, e.g. "demo-{}"; None: traces.adapter_uid

@@ -215,10 +215,18 @@ class Simulator:
     def _dispatch(self, req: SimRequest, pos: int) -> None:
         replica = self.replicas[self.routable[pos]]
         req.replica = replica.idx
-        req.t_dispatch = self.now
         self.ongoing[pos] += 1
         if self.feed is not None:
             self.feed.routed += 1
+        if self.config.dispatch_s > 0:
+            self.at(self.now + self.config.dispatch_s, lambda: self._arrive(req, replica))
+        else:
+            self._arrive(req, replica)
+
+    def _arrive(self, req: SimRequest, replica) -> None:
+        """The request reaches its replica (``t_dispatch``: from here it counts as the replica's, as the live
+        worker counts its busy time from the call's start)."""
+        req.t_dispatch = self.now
         replica.dispatch(req)
 
     def request_finished(self, req: SimRequest) -> None:

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import argparse
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Mapping, Optional, Sequence
 
 import numpy as np
@@ -48,7 +48,7 @@ from .fleet import Simulator
 from .fleet_agreement import agreement_with_live
 from .scale_events import warm_start_at_deploy
 
-__all__ = ["agreement_with_live", "live_starts", "live_step_host", "replay_fleet_live", "replay_variant"]
+__all__ = ["agreement_with_live", "live_starts", "HostCosts", "live_host_costs", "replay_fleet_live", "replay_variant"]
 
 VARIANT_ROUTER = {"affinity": "affinity", "multiplexed": "multiplex", "pow2": "pow2", "hash": "hash"}
 LIVE_LAG_S = {"affinity": 0.02, "multiplexed": 0.1}  # pool change -> the router's view (see the docstring)
@@ -86,17 +86,33 @@ def live_starts(live_rows: Sequence[Mapping]) -> dict[str, dict[str, float]]:
     return out
 
 
-def live_step_host(live_rows: Sequence[Mapping]) -> dict[str, float]:
-    """variant -> its replicas' host work per engine step in the live run (seconds; the step-weighted mean
-    of its measured cells' ``step_host_ms``): the time a live step takes beyond the emulated device's sleep.
-    Empty for runs that did not measure it."""
+@dataclass(frozen=True)
+class HostCosts:
+    """What a live replica pays on its host that the emulated device's sleeps leave out, as ``fleet_live``
+    measured it: each engine step's own work (scheduling, KV blocks, sampling) and the hop from the
+    router's send to the replica (Serve's handle call)."""
+
+    step_host_s: float = 0.0
+    dispatch_s: float = 0.0
+
+
+def live_host_costs(live_rows: Sequence[Mapping]) -> dict[str, HostCosts]:
+    """variant -> its ``HostCosts`` in the live run: the step-weighted mean of its measured cells'
+    ``step_host_ms``, and the median over its requests of the time to reach their replica (a request
+    the router held is in that sample too; few are, so the median is the hop). Empty for runs that
+    measured neither."""
     steps: dict[str, float] = {}
     host: dict[str, float] = {}
+    arrive: dict[str, list[float]] = {}
     for r in live_rows:
-        if r.get("step_host_ms") is not None and r.get("steps"):
-            steps[r["variant"]] = steps.get(r["variant"], 0.0) + r["steps"]
-            host[r["variant"]] = host.get(r["variant"], 0.0) + r["steps"] * r["step_host_ms"] / 1000
-    return {v: host[v] / steps[v] for v in steps}
+        if r.get("step_host_ms") is None or not r.get("steps"):
+            continue
+        v = r["variant"]
+        steps[v] = steps.get(v, 0.0) + r["steps"]
+        host[v] = host.get(v, 0.0) + r["steps"] * r["step_host_ms"] / 1000
+        arrive.setdefault(v, []).extend(x for x in r.get("arrive_s") or () if x is not None)
+    return {v: HostCosts(host[v] / steps[v], float(np.median(arrive[v])) if arrive.get(v) else 0.0)
+            for v in steps}
 
 
 def _q(values: list[float], p: float) -> float:
@@ -111,7 +127,11 @@ def _row(variant: str, seg: Segment, reqs: list[SimRequest], t0: float) -> dict:
             "ttft_p50_ms": 1000 * _q(ttft, 50), "ttft_p99_ms": 1000 * _q(ttft, 99),
             "e2e_p50_ms": 1000 * _q(e2e, 50), "e2e_p99_ms": 1000 * _q(e2e, 99),
             "start_s": round(t0, 3), "end_s": round(max(r.t_done for r in reqs), 3),
-            "ttft_s": [round(x, 4) for x in ttft]}
+            "ttft_s": [round(x, 4) for x in ttft],
+            # fleet_live's split of each TTFT: to the replica, to the adapter ready there
+            "arrive_s": [round(r.t_dispatch - r.arrival, 4) for r in reqs],
+            "ready_s": [round(r.t_submit - r.arrival, 4) for r in reqs],
+            "replica_of": [r.replica for r in reqs]}
 
 
 def jittered(trace: Trace, jitter_s: float, rng: np.random.Generator) -> Trace:
@@ -131,11 +151,11 @@ def read_threads(cpu_count: Optional[int]) -> Optional[int]:
 
 def replay_variant(settings: Mapping, variant: str, starts: Optional[Mapping[str, float]] = None,
                    jitter_s: float = 0.0, seed: Optional[int] = None, cpu_count: Optional[int] = None,
-                   step_host_s: float = 0.0) -> list[dict]:
+                   host_costs: HostCosts = HostCosts()) -> list[dict]:
     """One variant's segments on one simulated fleet; a row per segment, the warm-up's included.
     ``jitter_s`` and ``seed`` (the routers' draws, the jitter's and Serve's random replica ids; default the run's
     seed and ids replica-0000...): see ``jittered``. ``cpu_count``: the live machine's (``read_threads``).
-    ``step_host_s``: each step's host work, as the live run measured it (``live_step_host``)."""
+    ``host_costs``: what the live replicas paid beyond the emulated device (``live_host_costs``)."""
     if variant not in VARIANT_ROUTER:
         raise ValueError(f"unknown variant {variant!r}; choose one of {sorted(VARIANT_ROUTER)}")
     args, costs = _args(settings), costs_of(settings)
@@ -149,7 +169,8 @@ def replay_variant(settings: Mapping, variant: str, starts: Optional[Mapping[str
     first = replace(traces[0], ranks=np.array([ranks[adapter_name(i)] for i in range(args.adapters)]))
     config = SimConfig(replicas=args.replicas, router=VARIANT_ROUTER[variant], slots=args.slots,
                        max_batch=args.rows, lag_s=LIVE_LAG_S.get(variant, 0.1), seed=seed,
-                       costs=replace(costs, step_host_s=step_host_s),  # the fleet's steps; the traces' load is the device's
+                       costs=replace(costs, step_host_s=host_costs.step_host_s),  # the traces' load is the device's
+                       dispatch_s=host_costs.dispatch_s,
                        warmup_fraction=0.0, adapter_names=ADAPTER_NAMES, paced_feed=True,
                        read_threads=read_threads(cpu_count),
                        prior_load_s=(LIVE_PRIORS.host_load_s, LIVE_PRIORS.disk_load_s),
@@ -172,16 +193,16 @@ def replay_fleet_live(settings: dict, variants: list[str],
                       starts: Optional[Mapping[str, Mapping[str, float]]] = None,
                       jitter_s: float = 0.0, seed: Optional[int] = None,
                       cpu_count: Optional[int] = None,
-                      step_host_s: Optional[Mapping[str, float]] = None) -> list[dict]:
+                      host_costs: Optional[Mapping[str, HostCosts]] = None) -> list[dict]:
     """Every variant's measured segments, simulated: rows ``{variant, segment, loads, ttft_p50_ms,
     ttft_p99_ms, e2e_p50_ms, e2e_p99_ms, ...}`` as ``fleet_live`` reports them. ``starts``: variant ->
     segment -> live ``start_s`` (``live_starts``); without it, segments run back to back. ``jitter_s``,
     ``seed``, ``cpu_count``: as ``replay_variant`` (jitter and seed for ensembles; the defaults replay the run
     as it was sent; pass the live machine's CPU count: it bounds the workers' concurrent disk reads).
-    ``step_host_s``: variant -> its steps' measured host work (``live_step_host``; none: 0)."""
+    ``host_costs``: variant -> its measured ``HostCosts`` (``live_host_costs``; none: nothing beyond the device)."""
     out = []
     for variant in variants:
         rows = replay_variant(settings, variant, (starts or {}).get(variant), jitter_s, seed, cpu_count,
-                              (step_host_s or {}).get(variant, 0.0))
+                              (host_costs or {}).get(variant, HostCosts()))
         out += [{k: v for k, v in r.items() if k != "measured"} for r in rows if r["measured"]]
     return out
