@@ -1,15 +1,19 @@
 """LoRAWorker: one engine, one LoRAMemoryPool and one host tier per Serve replica.
 
-Requests carry the adapter name inside the request object (not Serve's
-``multiplexed_model_id``, by which ``@serve.batch`` would split mixed batches). Adapters
-are read from disk on first use in a thread, with one lock per adapter uid, so loads of
-unrelated adapters overlap and never stall the engine (Ray issue 65346). Pool events go
+Requests carry their adapter inside the request object (not Serve's
+``multiplexed_model_id``, by which ``@serve.batch`` would split mixed batches), resolved
+once at the ingress to a uid (``GenerateRequest.resolved``): the worker loads that uid if
+its engine lacks it and never looks the name up again; a uid whose name was re-registered
+meanwhile is refused (410), never served other weights. Adapters are read from disk on
+first use in a thread, with one lock per adapter uid, so loads of unrelated adapters
+overlap and never stall the engine (Ray issue 65346). Pool events go
 to the directory in batches from a background task; generation never waits on it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import time
@@ -20,7 +24,8 @@ import torch
 from ray import serve
 
 from engine.engine import LoRAEngine
-from engine.request import GenerateRequest, GenerateResult, ReplicaTarget, TokenDelta
+from engine.errors import AdapterUnregisteredError
+from engine.request import AdapterRef, GenerateRequest, GenerateResult, ReplicaTarget, TokenDelta
 from pool.errors import AdapterNotFoundError, LoRAFleetError
 from pool.events import PoolEvent
 from routing.autoscale import DemandWindow, working_set_sketch
@@ -76,6 +81,7 @@ class LoRAWorker:
         self.loading: set[str] = set()
         self.load_timings = LoadTimings()
         self._load_locks: dict[str, asyncio.Lock] = {}
+        self._content: dict[str, Optional[str]] = {}  # uid -> content version registered (checked on a re-read)
         self._retiring: set[str] = set()
         self._prewarmed: set[str] = set()  # uids a rollout's pre-warm plan asked of this replica (started)
         self._warming: set[asyncio.Task] = set()
@@ -128,37 +134,37 @@ class LoRAWorker:
         await self._apply_pins()  # the plan's pins: the same rule, over the same replica set
         for name in plan["slots"]:
             if name not in plan["pins"] and name in self.registry.entries:
-                await self._prewarm(name, into_slot=True)
+                await self._prewarm(self.registry.entries[name], into_slot=True)
         for name in plan["host"]:
             if name in self.registry.entries:
-                await self._ensure_adapter(name)
+                await self._ensure_entry(self.registry.entries[name])
         return plan
 
     # ------------------------------------------------------------------ requests
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
-        self._count_demand(request.adapter)
+        request = await self._resolved(request)
+        self._count_demand(request.served_name)
         started = time.monotonic()
         try:
-            await self._ensure_adapter(request.adapter)
+            await self._ensure_uid(request.resolved)
             result = await self.engine.generate(request)
         finally:
-            self._count_busy(request.adapter, started)
-        result.replica_id = self.replica_id
-        return result
+            self._count_busy(request.served_name, started)
+        return dataclasses.replace(result, replica_id=self.replica_id)
 
     async def generate_stream(self, request: GenerateRequest) -> AsyncIterator[TokenDelta | GenerateResult]:
         """Deltas as produced, then the ``GenerateResult`` (usage, finish reason)."""
-        self._count_demand(request.adapter)
+        request = await self._resolved(request)
+        self._count_demand(request.served_name)
         started = time.monotonic()
         try:
-            await self._ensure_adapter(request.adapter)
+            await self._ensure_uid(request.resolved)
             async for item in self.engine.generate_stream(request, with_result=True):
-                if isinstance(item, GenerateResult):
-                    item.replica_id = self.replica_id
-                yield item
+                yield dataclasses.replace(item, replica_id=self.replica_id) if isinstance(item, GenerateResult) \
+                    else item
         finally:
-            self._count_busy(request.adapter, started)
+            self._count_busy(request.served_name, started)
 
     def _count_busy(self, name: Optional[str], started: float) -> None:
         """Request-seconds per adapter since the last heartbeat: the demand the directory plans by."""
@@ -178,40 +184,66 @@ class LoRAWorker:
         if name is not None:
             self.demand.requested(name, time.monotonic())
 
-    async def _ensure_adapter(self, name: Optional[str]) -> None:
-        if name is None:
-            return
-        entry = self.registry.entries.get(name)
+    async def _resolved(self, request: GenerateRequest) -> GenerateRequest:
+        """The request with its adapter's uid: as the ingress resolved it, or, for a caller that reached the
+        worker directly with a name only, resolved here (once, in this replica's registry copy)."""
+        if request.adapter is None or request.resolved is not None:
+            return request
+        entry = self.registry.entry(request.adapter)
         if entry is None and self.directory is not None:
             await self.registry.refresh()  # registered a moment ago: our long poll may not have seen it
-            entry = self.registry.entries.get(name)
+            entry = self.registry.entry(request.adapter)
         if entry is None:
-            raise AdapterNotFoundError(f"adapter {name!r} is not registered")
-        if self.engine.current_uid(name) != entry.uid:
-            lock = self._load_locks.setdefault(entry.uid, asyncio.Lock())
-            async with lock:
-                if self.engine.current_uid(name) != entry.uid:
+            raise AdapterNotFoundError(f"adapter {request.adapter!r} is not registered")
+        return dataclasses.replace(request, resolved=AdapterRef(entry.name, entry.uid))
+
+    async def _ensure_uid(self, ref: Optional[AdapterRef]) -> None:
+        """Make ``ref``'s uid servable here. The engine checks the uid is live; one it lacks is looked up by uid
+        (once per replica) and loaded; one the registry no longer has is refused (410)."""
+        if ref is None:
+            return
+        if self.engine.serves(ref.uid):
+            await self._restage(ref.uid)
+            return
+        entry = self.registry.entry_of_uid(ref.uid)
+        if entry is None and self.directory is not None:
+            await self.registry.refresh()  # registered a moment ago: our long poll may not have seen it
+            entry = self.registry.entry_of_uid(ref.uid)
+        if entry is None:
+            raise AdapterUnregisteredError(f"adapter {ref.name!r} (uid {ref.uid!r}) is no longer registered: it was "
+                                           f"re-registered or unregistered after this request was resolved")
+        await self._ensure_entry(entry)
+
+    async def _ensure_entry(self, entry: RegistryEntry) -> None:
+        """Register ``entry``'s uid in the engine unless it serves it already, and stage it (requests, warm-up,
+        pins and the plan, which hold the entry already, come here)."""
+        if not self.engine.serves(entry.uid):
+            async with self._load_locks.setdefault(entry.uid, asyncio.Lock()):
+                if not self.engine.serves(entry.uid):
                     await self._load(entry)
-        uid = entry.uid
+        await self._restage(entry.uid)
+
+    async def _restage(self, uid: str) -> None:
         if not self.engine.is_resident(uid) and not self.engine.host_cached(uid):
             # evicted from the host tier too: re-read it here, off the engine thread, so the step
             # that loads it into a slot does a memory copy instead of a file read (of what was registered)
-            await asyncio.to_thread(check_unchanged, self.engine.adapter_record(uid), entry.content)
+            await asyncio.to_thread(check_unchanged, self.engine.adapter_record(uid), self._content.get(uid))
             with self.load_timings.disk_read():
                 await asyncio.to_thread(self.engine.fetch_to_host, uid)
 
-    async def _load(self, entry: RegistryEntry, pinned: bool = False) -> None:
+    async def _load(self, entry: RegistryEntry) -> None:
         self.loading.add(entry.uid)
         try:
             source = await asyncio.to_thread(resolve_demo_source, entry.source)
             with self.load_timings.disk_read():
                 record = await asyncio.to_thread(self.engine.register_adapter, entry.name, source,
-                                                 revision=entry.revision, uid=entry.uid, pinned=pinned)
+                                                 revision=entry.revision, uid=entry.uid)
             try:
                 await asyncio.to_thread(check_unchanged, record, entry.content)
             except SourceChangedError:
                 await asyncio.to_thread(self.engine.unregister_uid, entry.uid, 0.0)  # never serve other weights
                 raise
+            self._content[entry.uid] = entry.content
         finally:
             self.loading.discard(entry.uid)
 
@@ -224,20 +256,20 @@ class LoRAWorker:
         return {"rank": record.rank, "bytes": record.nbytes, "folder": str(record.folder),
                 "content": await asyncio.to_thread(content_version, record)}
 
-    async def _prewarm(self, name: str, into_slot: bool) -> None:
+    async def _prewarm(self, entry: RegistryEntry, into_slot: bool) -> None:
         """Bring a registered adapter into the host tier and, if asked, into a slot (between two engine
         steps, with no request: a warm-up must not queue behind traffic or count as one)."""
-        await self._ensure_adapter(name)
+        await self._ensure_entry(entry)
         if into_slot:
-            await asyncio.to_thread(self.engine.load_into_slot, self.registry.entries[name].uid)
+            await asyncio.to_thread(self.engine.load_into_slot, entry.uid)
 
-    async def _prewarm_planned(self, name: str, uid: str, into_slot: bool) -> None:
+    async def _prewarm_planned(self, entry: RegistryEntry, into_slot: bool) -> None:
         """A rollout's pre-warm plan names this replica (deployments/versions.py): warm it, best effort."""
         try:
-            await self._prewarm(name, into_slot)
+            await self._prewarm(entry, into_slot)
         except Exception as exc:  # the PUT reports this replica as not warmed; traffic still loads it
-            log.warning("lorafleet worker %s: pre-warm of %s failed (%r)", self.replica_id, name, exc)
-            self._prewarmed.discard(uid)
+            log.warning("lorafleet worker %s: pre-warm of %s failed (%r)", self.replica_id, entry.name, exc)
+            self._prewarmed.discard(entry.uid)
 
     def pool_state(self, target: Optional[ReplicaTarget] = None) -> dict:
         """This replica's pool, exactly; call it with a ``ReplicaTarget`` to ask one replica."""
@@ -247,6 +279,7 @@ class LoRAWorker:
         snap["host_cached"] = self.engine.host_cached_uids()
         snap["engine"] = {k: v for k, v in self.engine.stats().items() if k not in ("adapters", "host_cached")}
         snap["warm_start"] = {**self.warm_start, "loads_after_ready": dict(self._loads_after_ready)}
+        snap["registry_lookups"] = self.registry.lookups  # entries requests looked up here (by name or uid)
         return snap
 
     # ------------------------------------------------------------------ Serve hooks
@@ -336,7 +369,8 @@ class LoRAWorker:
             if item.name not in self._planned or item.name not in self.registry.entries:
                 continue  # the plan moved on, or the adapter left
             try:
-                await self._prewarm(item.name, item.into_slot and self.engine.pool_snapshot().free_slots > 0)
+                await self._prewarm(self.registry.entries[item.name],
+                                    item.into_slot and self.engine.pool_snapshot().free_slots > 0)
                 self.prefetched += 1
             except Exception as exc:  # best effort: a request still loads what it needs
                 log.warning("lorafleet worker %s: prefetch of %s failed (%r)", self.replica_id, item.name, exc)
@@ -384,11 +418,11 @@ class LoRAWorker:
     async def _registry_changed(self, old: dict[str, RegistryEntry], new: dict[str, RegistryEntry]) -> None:
         """Retire registrations removed or replaced (by uid, so a newer uid of the name is safe); warm what a
         rollout's plan asks of this replica; re-apply pins."""
-        for name, entry in new.items():
+        for entry in new.values():
             plan = (entry.prewarm or {}).get(self.replica_id)
             if plan is not None and entry.uid not in self._prewarmed:
                 self._prewarmed.add(entry.uid)
-                task = asyncio.get_running_loop().create_task(self._prewarm_planned(name, entry.uid, plan == "slot"))
+                task = asyncio.get_running_loop().create_task(self._prewarm_planned(entry, plan == "slot"))
                 self._warming.add(task)   # held until done (the loop keeps only weak references)
                 task.add_done_callback(self._warming.discard)
         for name, entry in old.items():
@@ -404,6 +438,7 @@ class LoRAWorker:
             self._retiring.discard(uid)
             self._prewarmed.discard(uid)
             self._load_locks.pop(uid, None)  # per-uid state goes with the uid
+            self._content.pop(uid, None)
 
     async def _pin_loop(self) -> None:
         """Pins are desired state: one that could not be applied (busy slots, a replica just added or
@@ -424,7 +459,7 @@ class LoRAWorker:
             names = await self.directory.rehome_plan.remote(self.replica_id)
             for name in names:
                 if name in self.registry.entries:
-                    await self._ensure_adapter(name)
+                    await self._ensure_entry(self.registry.entries[name])
         except Exception as exc:  # best effort: a request still loads what it needs
             log.warning("lorafleet worker %s: prefetch after a scale-down failed (%r)", self.replica_id, exc)
 
@@ -439,11 +474,10 @@ class LoRAWorker:
         replicas = sorted(set(self.registry.replicas) | {self.replica_id})
         for name, entry in self.registry.entries.items():
             should_pin = entry.pinned and self.replica_id in pin_holders(name, replicas, entry.replicas)
-            is_pinned = self.engine.current_uid(name) == entry.uid and entry.uid in self.engine.pinned_uids()
+            is_pinned = entry.uid in self.engine.pinned_uids()
             try:
                 if should_pin and not is_pinned:
-                    if self.engine.current_uid(name) != entry.uid:
-                        await self._ensure_adapter(name)
+                    await self._ensure_entry(entry)
                     await asyncio.to_thread(self.engine.pin_adapter, name)
                 elif is_pinned and not should_pin:
                     await asyncio.to_thread(self.engine.unpin_adapter, name)
