@@ -9,6 +9,7 @@ replicas through a router afterwards.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -65,7 +66,7 @@ class EmulatedLoRAWorker(LoRAWorker.func_or_class):
         if serve.get_multiplexed_model_id():
             await self.mux.ensure(request)
             out = await _timed(self.engine.generate_stream(request, with_result=True))
-            out["result"].replica_id = self.replica_id
+            out["result"] = dataclasses.replace(out["result"], replica_id=self.replica_id)  # results are frozen
             return out
         return await _timed(self.generate_stream(request))
 
