@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from typing import Optional
+from typing import Callable, Optional
 
 from engine.engine import LoRAEngine
 from engine.errors import AdapterUnregisteredError
@@ -53,10 +53,7 @@ class WorkerAdapters:
         worker directly with a name only, resolved here (once, in this replica's registry copy)."""
         if request.adapter is None or request.resolved is not None:
             return request
-        entry = self.registry.entry(request.adapter)
-        if entry is None and self.registry.directory is not None:
-            await self.registry.refresh()  # registered a moment ago: our long poll may not have seen it
-            entry = self.registry.entry(request.adapter)
+        entry = await self._find(lambda: self.registry.entry(request.adapter))
         if entry is None:
             raise AdapterNotFoundError(f"adapter {request.adapter!r} is not registered")
         return dataclasses.replace(request, resolved=AdapterRef(entry.name, entry.uid))
@@ -69,14 +66,20 @@ class WorkerAdapters:
         if self.engine.serves(ref.uid):
             await self._restage(ref.uid)
             return
-        entry = self.registry.entry_of_uid(ref.uid)
-        if entry is None and self.registry.directory is not None:
-            await self.registry.refresh()  # registered a moment ago: our long poll may not have seen it
-            entry = self.registry.entry_of_uid(ref.uid)
+        entry = await self._find(lambda: self.registry.entry_of_uid(ref.uid))
         if entry is None:
             raise AdapterUnregisteredError(f"adapter {ref.name!r} (uid {ref.uid!r}) is no longer registered: it was "
                                            f"re-registered or unregistered after this request was resolved")
         await self.ensure_entry(entry)
+
+    async def _find(self, lookup: Callable[[], Optional[RegistryEntry]]) -> Optional[RegistryEntry]:
+        """``lookup`` in the registry copy, and once more after a refresh when it finds nothing (registered a
+        moment ago: our long poll may not have seen it yet)."""
+        entry = lookup()
+        if entry is None and self.registry.directory is not None:
+            await self.registry.refresh()
+            entry = lookup()
+        return entry
 
     async def ensure_entry(self, entry: RegistryEntry) -> None:
         """Register ``entry``'s uid in the engine unless it serves it already, and stage it (requests, warm-up,
