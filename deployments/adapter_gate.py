@@ -1,9 +1,10 @@
 """What the ingress does with a request's adapter name before any worker sees it.
 
 In order: find the name (registry, then the resolvers for a name never seen), take the
-name's quota, and draw the version that serves it. The request then carries the version's
-registry name; the response keeps the requested name as ``model`` and names the version
-in the ``x-lorafleet-adapter-version`` header.
+name's quota, and draw the version that serves it. This is the only place a request's name
+is looked up: the request then carries the drawn entry's name and uid (``AdapterRef``), and
+the worker and engine serve that uid or refuse it. The response keeps the requested name as
+``model`` and names the version in the ``x-lorafleet-adapter-version`` header.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Optional
 
 from engine.errors import AdapterExistsError
+from engine.request import AdapterRef
 from pool.errors import AdapterNotFoundError
 
 from .config import NAME_RE
@@ -31,7 +33,7 @@ log = logging.getLogger("ray.serve")
 
 @dataclass
 class Admission:
-    adapter: Optional[str] = None              # the registry entry that serves it (None: the base model)
+    ref: Optional[AdapterRef] = None           # the registry entry that serves it, and its uid (None: base model)
     version: Optional[str] = None              # its version label
     requested: Optional[str] = None            # the name the client asked for
     _releases: list = field(default_factory=list)   # quota place, ingress place: freed once, by release()
@@ -72,8 +74,11 @@ class AdapterGate:
         self._families: dict[str, list] = {}
         self._families_of: Optional[dict] = None   # held, so its id cannot be reused by a newer dict
         self._families_len = 0
+        self.lookups = 0   # names looked up in the registry copy (one per request; tests count them)
 
     def family(self, name: str) -> list:
+        """The registry entries serving ``name`` (its versions): the one name look-up of a request."""
+        self.lookups += 1
         entries = self.admin.registry.entries
         # the follower replaces the dict on every change; admin calls pop from it in place
         if entries is not self._families_of or len(entries) != self._families_len:
@@ -95,7 +100,7 @@ class AdapterGate:
         except BaseException:
             admission.release()
             raise
-        admission.adapter, admission.version = entry.name, label_of(entry)
+        admission.ref, admission.version = AdapterRef(entry.name, entry.uid), label_of(entry)
         return admission
 
     async def repick(self, admission: Admission) -> bool:
@@ -104,14 +109,14 @@ class AdapterGate:
         if admission.requested is None:
             return False
         await self.admin.refresh_after_miss()
-        family = [e for e in self.family(admission.requested) if e.name != admission.adapter]
+        family = [e for e in self.family(admission.requested) if e.name != admission.ref.name]
         try:
             entry = pick(family, self.rng) if family else None
         except AdapterNotFoundError:
             entry = None
         if entry is None:
             return False
-        admission.adapter, admission.version = entry.name, label_of(entry)
+        admission.ref, admission.version = AdapterRef(entry.name, entry.uid), label_of(entry)
         return True
 
     async def _find(self, name: str) -> list:

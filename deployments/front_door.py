@@ -6,11 +6,15 @@ request's deadline, the worker call under the same deadline (504), one retry on 
 replica if the first one died before its first result, and one re-pick of the version if
 the drawn one was retired meanwhile (the worker no longer knows it). A stream is admitted
 once its first item arrived, so its early errors are statuses, not a broken stream.
+
+The caller's request is never changed: what the gate resolved travels in a copy
+(``GenerateRequest.resolved``), and a re-pick makes another copy.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Callable, TypeVar
 
@@ -75,8 +79,9 @@ class FrontDoor:
         self.worker, self.worker_stream = worker, worker_stream
         self.repicks = 0
 
-    async def admit(self, request: GenerateRequest) -> tuple[Admission, float]:
-        """Prompt limit, an ingress place, then the adapter, all before ``deadline``; returns both."""
+    async def admit(self, request: GenerateRequest) -> tuple[GenerateRequest, Admission, float]:
+        """Prompt limit, an ingress place, then the adapter, all before ``deadline``. Returns the request as the
+        workers get it (a copy carrying the resolved adapter), the admission and the deadline."""
         chars = text_chars(request)
         if chars > self.args.max_prompt_chars:
             raise InvalidRequestError("prompt", f"prompt of {chars} characters exceeds the limit of "
@@ -89,14 +94,12 @@ class FrontDoor:
             self.limiter.release()
             raise
         admission.also_release(self.limiter.release)
-        request.adapter = admission.adapter
-        return admission, deadline
+        return dataclasses.replace(request, resolved=admission.ref), admission, deadline
 
     async def generate(self, request: GenerateRequest) -> tuple[GenerateResult, Admission]:
-        admission, deadline = await self.admit(request)
+        request, admission, deadline = await self.admit(request)
         try:
-            result = await self._first(request, admission, deadline, lambda: self.worker.generate.remote(request),
-                                       _itself)
+            result = await self._first(request, admission, deadline, self.worker.generate.remote, _itself)
         except BaseException:
             admission.release()
             raise
@@ -104,25 +107,25 @@ class FrontDoor:
         return result, admission
 
     async def open_stream(self, request: GenerateRequest) -> OpenStream:
-        admission, deadline = await self.admit(request)
+        request, admission, deadline = await self.admit(request)
         try:
-            upstream, first = await self._first(
-                request, admission, deadline, lambda: self.worker_stream.generate_stream.remote(request), _first_item)
+            upstream, first = await self._first(request, admission, deadline,
+                                                self.worker_stream.generate_stream.remote, _first_item)
         except BaseException:
             admission.release()
             raise
         return OpenStream(upstream, first, admission, self.args.stream_idle_timeout_s)
 
     async def _first(self, request: GenerateRequest, admission: Admission, deadline: float,
-                     start: Callable[[], object], first: Callable[[object], Awaitable[T]]) -> T:
+                     call: Callable[[GenerateRequest], object], first: Callable[[object], Awaitable[T]]) -> T:
         try:
-            return await self.limiter.first_result(start, first, deadline)
+            return await self.limiter.first_result(lambda: call(request), first, deadline)
         except BaseException as exc:
             if not isinstance(unwrap(exc), VERSION_GONE) or not await self.gate.repick(admission):
                 raise
         self.repicks += 1   # the version it drew was retired while it waited: draw again from the family
-        request.adapter = admission.adapter
-        return await self.limiter.first_result(start, first, deadline)
+        repicked = dataclasses.replace(request, resolved=admission.ref)
+        return await self.limiter.first_result(lambda: call(repicked), first, deadline)
 
 
 async def _itself(response):

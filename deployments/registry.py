@@ -59,6 +59,19 @@ class RegistryFollower:
         self.entries: dict[str, RegistryEntry] = {}
         self.replicas: list[str] = []
         self.version = -1
+        self.lookups = 0  # entries a request looked up here (``entry``, ``entry_of_uid``); tests count them
+
+    def entry(self, name: str) -> Optional[RegistryEntry]:
+        """A request's entry by name (a caller that reached a worker directly, with no uid); counted."""
+        self.lookups += 1
+        return self.entries.get(name)
+
+    def entry_of_uid(self, uid: str) -> Optional[RegistryEntry]:
+        """The entry registered under ``uid``, or None once its name was re-registered or unregistered.
+        Read when a worker loads a uid it does not hold yet (once per uid); counted. A scan: no second
+        table to keep true while admin calls drop entries in place."""
+        self.lookups += 1
+        return next((e for e in self.entries.values() if e.uid == uid), None)
 
     async def apply(self, reply: dict) -> None:
         old = self.entries

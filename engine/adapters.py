@@ -7,7 +7,7 @@ with no request) -> retire (refuse new requests, drain, unload) -> report.
 Why one object: names, in-flight counts, staging and unloading used to live in three engine
 files with a second copy of every record. Now the store (``pool/store.py``) keeps the one
 record of each adapter (its files' facts, needed to re-read it) and this object keeps only
-what serving adds: which uid each name serves now and how many requests each uid owes.
+what serving adds: which uids are live (each with its name) and how many requests each uid owes.
 
 The pool stays the single owner of slots, and the engine thread the only thread that changes
 it: every slot change made here (load, pin, unpin, unload) is handed to the engine with
@@ -47,7 +47,10 @@ class ReplicaAdapters:
         self._cancel = cancel  # (uid, error): fail that uid's requests (a drain timeout, a failed re-read)
         self._wake = wake      # the engine loop: a staged adapter's requests may be admitted now
         self._cond = threading.Condition()
-        self._uids: dict[str, str] = {}   # name -> the uid it serves now
+        # each live uid -> its name (at most one uid per name): a request's uid is checked here; a name is
+        # looked up (a scan) only by registration, admin calls and callers that drive the engine directly
+        self._serving: dict[str, str] = {}
+        self.name_lookups = 0             # names resolved for requests that came without a uid (engine-only callers)
         self._inflight: Counter = Counter()  # uid (None: base model) -> waiting + running requests
         # read for one slot load the host tier cannot keep; at most one per slot (a batch loads no more), oldest
         # out first: a dropped one is read again when its load comes (``AdapterNotStagedError``: staged anew)
@@ -60,32 +63,55 @@ class ReplicaAdapters:
     def current_uid(self, name: str) -> Optional[str]:
         """The uid ``name`` serves now, or None when the name is not registered."""
         with self._cond:
-            return self._uids.get(name)
+            return next((uid for uid, served in self._serving.items() if served == name), None)
 
     def resolve(self, name: Optional[str]) -> Optional[str]:
-        """Like ``current_uid``, but an unknown name is an error; None (the base model) stays None."""
+        """A request's uid when its caller gave only a name (a script or test driving the engine itself; the
+        fleet's requests carry the uid the ingress resolved). Counted, so a test can show the fleet's
+        requests never come here. None (the base model) stays None."""
         if name is None:
             return None
+        with self._cond:
+            self.name_lookups += 1
+        return self._registered(name)
+
+    def serves(self, uid: str) -> bool:
+        """``uid`` is live here: registered, and not replaced, unregistered or retiring."""
+        with self._cond:
+            return uid in self._serving
+
+    def _registered(self, name: str) -> str:
         uid = self.current_uid(name)
         if uid is None:
             raise AdapterNotFoundError(f"adapter {name!r} is not registered")
         return uid
 
+    def _serve(self, name: str, uid: Optional[str]) -> Optional[str]:
+        """``name`` serves ``uid`` from now on (None: nothing); returns the uid it served until now, if another."""
+        with self._cond:
+            old = next((u for u, served in self._serving.items() if served == name), None)
+            self._serving.pop(old, None)
+            if uid is not None:
+                self._serving[uid] = name
+        return old if old != uid else None
+
     def names(self) -> dict[str, str]:
         """A copy of name -> current uid."""
         with self._cond:
-            return dict(self._uids)
+            return {name: uid for uid, name in self._serving.items()}
 
     def inflight(self, uid: Optional[str]) -> int:
         with self._cond:
             return self._inflight[uid]
 
-    def acquire(self, name: Optional[str], uid: Optional[str]) -> None:
-        """Count one more request on ``uid`` if ``name`` still serves it (checked and counted atomically, so
-        no request reaches a uid that retiring has stopped)."""
+    def acquire(self, uid: Optional[str]) -> None:
+        """Count one more request on ``uid`` if it is still live (checked and counted atomically, so no
+        request reaches a uid that retiring has stopped, and none is served a re-registered name's new
+        weights: the uid it was resolved to is refused instead)."""
         with self._cond:
-            if name is not None and self._uids.get(name) != uid:
-                raise AdapterNotFoundError(f"adapter {name!r} is not registered")
+            if uid is not None and uid not in self._serving:
+                raise AdapterUnregisteredError(f"adapter uid {uid!r} no longer serves here: its name was "
+                                               f"re-registered or unregistered after this request was resolved")
             self._inflight[uid] += 1
 
     def release(self, uid: Optional[str]) -> None:
@@ -119,10 +145,8 @@ class ReplicaAdapters:
             except LoRAFleetError:
                 self.store.unregister(uid)
                 raise
-        with self._cond:
-            old = self._uids.get(name)
-            self._uids[name] = uid
-        if old is not None and old != uid:
+        old = self._serve(name, uid)
+        if old is not None:
             threading.Thread(target=self.retire, args=(old, RETIRE_REPLACED_TIMEOUT_S), daemon=True).start()
         return record
 
@@ -134,8 +158,7 @@ class ReplicaAdapters:
 
     def unregister(self, name: str, timeout_s: float) -> str:
         """Refuse new requests for ``name`` at once, drain its requests, then unload it. Returns the uid."""
-        with self._cond:
-            uid = self._uids.pop(name, None)
+        uid = self._serve(name, None)
         if uid is None:
             raise AdapterNotFoundError(f"adapter {name!r} is not registered")
         self.retire(uid, timeout_s)
@@ -151,8 +174,7 @@ class ReplicaAdapters:
         except AdapterNotFoundError:  # never registered here, or retired meanwhile
             return False
         with self._cond:
-            if self._uids.get(name) == uid:
-                del self._uids[name]
+            self._serving.pop(uid, None)  # a newer uid of the same name keeps serving
         self.retire(uid, timeout_s)
         return True
 
@@ -215,7 +237,7 @@ class ReplicaAdapters:
     def map_sizes(self) -> dict[str, int]:
         """Entries of each per-adapter map here (the soak test checks each against its bound)."""
         with self._cond:
-            return {"names": len(self._uids), "inflight": len(self._inflight), "handover": len(self._handover),
+            return {"serving": len(self._serving), "inflight": len(self._inflight), "handover": len(self._handover),
                     "staging": len(self._staging)}
 
     @property
@@ -252,11 +274,11 @@ class ReplicaAdapters:
         self.store.fetch(uid)
 
     def pin(self, name: str) -> int:
-        uid = self.resolve(name)
+        uid = self._registered(name)
         return self._at_step_boundary(lambda: self.pool.pin(uid))
 
     def unpin(self, name: str) -> bool:
-        uid = self.resolve(name)
+        uid = self._registered(name)
         return self._at_step_boundary(lambda: uid in self.pool.pinned and self.pool.unpin(uid))
 
     def keep(self, uids: Iterable[str]) -> None:
@@ -265,7 +287,7 @@ class ReplicaAdapters:
 
     def _check_serving(self, uid: str) -> None:
         name = self.store.record(uid).name  # an unknown uid is AdapterNotFoundError
-        if self.current_uid(name) != uid:
+        if not self.serves(uid):
             raise AdapterUnregisteredError(f"adapter uid {uid!r} is retiring: {name!r} no longer serves it")
 
     def _stage_then_wake(self, uid: str) -> None:

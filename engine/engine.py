@@ -167,7 +167,7 @@ class LoRAEngine(StepLoop, EngineReadAPI):
         return seq
 
     def submit(self, request: GenerateRequest, sink: Callable[[SinkItem], None]) -> Sequence:
-        uid, ids = self.inputs.process(request)
+        request, uid, ids = self.inputs.process(request)  # a copy, when the engine filled in max_tokens
         group = None
         if request.n > 1:
             group = SampleGroup(request.n, sink, self.cancel)
@@ -188,7 +188,7 @@ class LoRAEngine(StepLoop, EngineReadAPI):
             if len(self.scheduler.waiting) >= self.config.max_waiting_requests:
                 raise EngineOverloadedError(f"{len(self.scheduler.waiting)} requests are waiting on this replica "
                                             f"(limit {self.config.max_waiting_requests}); retry later")
-            self.adapters.acquire(request.adapter, uid)
+            self.adapters.acquire(uid)  # the uid is live (checked here, atomically), else refused
             self.scheduler.add(seq)
             self._lock.notify_all()
         return seq

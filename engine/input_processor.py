@@ -1,11 +1,14 @@
-"""InputProcessor: a ``GenerateRequest`` -> (adapter uid, prompt token ids), or an error naming the field.
+"""InputProcessor: a ``GenerateRequest`` -> (the request as the engine runs it, adapter uid, prompt token ids),
+or an error naming the field.
 
 Everything a request can get wrong is found here, on the caller's thread, before the
-request reaches the scheduler: so a bad request costs no step and changes nothing.
+request reaches the scheduler: so a bad request costs no step and changes nothing. The
+caller's request is never changed: a ``max_tokens`` the engine fills in goes into a copy.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 from .adapters import ReplicaAdapters
@@ -22,10 +25,12 @@ class InputProcessor:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.config = config  # read on every request: max_tokens_limit is a live setting
-        self.adapters = adapters  # names -> the uid each serves now
+        self.adapters = adapters  # the uid of a request that came with a name only
 
-    def process(self, request: GenerateRequest) -> tuple[Optional[str], list[int]]:
-        """(uid, prompt ids) for ``request``; the uid is None for the base model."""
+    def process(self, request: GenerateRequest) -> tuple[GenerateRequest, Optional[str], list[int]]:
+        """(request, uid, prompt ids); the uid is the one the request carries (``resolved``), resolved here only
+        for callers that gave a name alone, and None for the base model. Whether the uid is still live is
+        checked when the request is queued (``ReplicaAdapters.acquire``), atomically with counting it."""
         if request.max_tokens is not None and (not isinstance(request.max_tokens, int) or request.max_tokens < 0):
             raise InvalidRequestError("max_tokens",
                                       f"max_tokens must be a positive integer, got {request.max_tokens!r}")
@@ -37,10 +42,11 @@ class InputProcessor:
             raise InvalidRequestError("temperature", f"temperature must be >= 0, got {request.temperature}")
         if not 0 < request.top_p <= 1:
             raise InvalidRequestError("top_p", f"top_p must be in (0, 1], got {request.top_p}")
-        uid = self.adapters.resolve(request.adapter)
+        uid = request.resolved.uid if request.resolved is not None else self.adapters.resolve(request.adapter)
         ids = self.prompt_ids(request)
-        if request.max_tokens is None:  # what the context leaves, capped (the request is the engine's to fill in)
-            request.max_tokens = min(self.config.max_tokens_limit, self.max_model_len - len(ids))
+        if request.max_tokens is None:  # what the context leaves, capped (the engine's copy of the request)
+            request = dataclasses.replace(request, max_tokens=min(self.config.max_tokens_limit,
+                                                                  self.max_model_len - len(ids)))
             if request.max_tokens <= 0:
                 raise InvalidRequestError("messages" if request.messages is not None else "prompt", f"the prompt ({len(ids)} tokens) leaves no room in the "
                                                       f"context window of {self.max_model_len} tokens")
@@ -48,7 +54,7 @@ class InputProcessor:
             raise InvalidRequestError(
                 "max_tokens", f"prompt ({len(ids)} tokens) + max_tokens ({request.max_tokens}) exceeds the context "
                               f"window of {self.max_model_len} tokens")
-        return uid, ids
+        return request, uid, ids
 
     def prompt_ids(self, request: GenerateRequest) -> list[int]:
         """The prompt as token ids: given ids (checked against the vocabulary), chat messages or text."""

@@ -21,6 +21,10 @@ class EngineReadAPI:
     def current_uid(self, name: str) -> Optional[str]:
         return self.adapters.current_uid(name)
 
+    def serves(self, uid: str) -> bool:
+        """``uid`` is registered here and still live (not replaced, unregistered or retiring)."""
+        return self.adapters.serves(uid)
+
     def adapter_record(self, uid: str) -> AdapterRecord:
         """The adapter's one record on this replica (source, folder, rank, bytes, content version)."""
         return self.adapters.record(uid)
@@ -71,6 +75,7 @@ class EngineReadAPI:
                 "cancelled": self.cancelled,
                 "max_steps_after_cancel": self.max_steps_after_cancel,
                 "adapters": self.adapters.names(),
+                "name_lookups": self.adapters.name_lookups,  # requests that came with a name and no uid
                 "host_cached": self.adapters.host_cached_uids(),
                 "host_cache_bytes": self.store.host_cache.stats.bytes_used,
                 "kv_blocks": self.cache.num_blocks,

@@ -1,7 +1,11 @@
 """The request object every layer passes along: one definition, read by engine, router, ingress.
 
-The router reads only ``.adapter``; the adapter name travels here rather than in Serve's
-``multiplexed_model_id`` because ``@serve.batch`` splits batches by that id.
+Requests and results are frozen: a layer that adds something (the ingress's resolved adapter,
+the engine's filled-in ``max_tokens``, the worker's replica id) makes a new object with
+``dataclasses.replace``, so no caller ever sees its own object change under it.
+
+The adapter travels here rather than in Serve's ``multiplexed_model_id`` because
+``@serve.batch`` splits batches by that id.
 """
 
 from __future__ import annotations
@@ -14,9 +18,23 @@ ChatMessage = dict  # {"role": ..., "content": ...}
 MAX_LOGPROBS = 20  # top log-probabilities per token at most (as OpenAI's top_logprobs)
 
 
-@dataclass
+@dataclass(frozen=True)
+class AdapterRef:
+    """An adapter name resolved once, at the ingress: the registry entry that serves the request and the
+    uid minted at that entry's registration.
+
+    Why both: routers key their views by the entry name, while pools, engines and events key by uid.
+    Carrying the uid means no later hop looks the name up again, and a request resolved before a
+    re-registration names the old uid, which the worker refuses instead of serving other weights.
+    """
+
+    name: str  # the registry entry (a version's entry is ``name@label``)
+    uid: str   # ``routing.identity.mint_uid``'s, from that registration
+
+
+@dataclass(frozen=True)
 class GenerateRequest:
-    adapter: Optional[str] = None  # a registered adapter name, or None for the base model
+    adapter: Optional[str] = None  # the adapter name the caller asked for, or None for the base model
     prompt: Optional[str] = None
     token_ids: Optional[list[int]] = None
     messages: Optional[list[ChatMessage]] = None
@@ -36,6 +54,12 @@ class GenerateRequest:
     ignore_eos: bool = False                    # EOS does not end the sequence (max_tokens does)
     response_format: Optional[dict] = None      # {"type": "json_object"} or {"type": "json_schema", ...}
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
+    resolved: Optional[AdapterRef] = None       # set once, by whoever resolved ``adapter`` (the ingress's gate)
+
+    @property
+    def served_name(self) -> Optional[str]:
+        """The registry entry that serves this request: the resolved one, else the name asked for."""
+        return self.resolved.name if self.resolved is not None else self.adapter
 
     @property
     def stop_strings(self) -> list[str]:
@@ -86,16 +110,16 @@ class Choice:
     logprobs: Optional[list[TokenLogprob]] = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class GenerateResult:
     request_id: str
-    adapter: Optional[str]
+    adapter: Optional[str]  # the registry entry that served it (``GenerateRequest.served_name``)
     text: str
     token_ids: list[int]
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
-    replica_id: Optional[str] = None  # set by the worker that served it
+    replica_id: Optional[str] = None  # the worker that served it (its copy of the engine's result)
     logprobs: Optional[list[TokenLogprob]] = None         # choice 0's, when asked
     prompt_logprobs: Optional[list[TokenLogprob]] = None  # when asked (echo)
     prompt_text: Optional[str] = None                     # the prompt decoded, with prompt_logprobs

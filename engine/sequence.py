@@ -65,7 +65,7 @@ class Sequence:
     def result(self, finish_reason: str) -> GenerateResult:
         return GenerateResult(
             request_id=self.request.request_id,
-            adapter=self.request.adapter,
+            adapter=self.request.served_name,
             text=self.detokenizer.text,
             token_ids=list(self.output_ids),
             finish_reason=finish_reason,

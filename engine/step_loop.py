@@ -173,7 +173,7 @@ class StepLoop:
         there is room, else queued as a plain sequence (None)."""
         child = child_of(parent, index, self._sequence)
         with self._lock:
-            self.adapters.acquire(child.request.adapter, child.uid)
+            self.adapters.acquire(child.uid)
             room = len(self.scheduler.running) < self.config.max_batch_size
             if room and share_prompt_blocks(parent, child, self.cache):
                 self.scheduler.add_running(child)

@@ -1,7 +1,9 @@
 """What a router reads of a request: its adapter and its prompt's length (no Ray at run time).
 
 Serve hands the router a ``PendingRequest`` whose first argument is the request object
-(``engine.request.GenerateRequest`` or anything with the same fields).
+(``engine.request.GenerateRequest`` or anything with the same fields). The ingress resolved
+the request's adapter once (``resolved``: the registry entry's name and uid); the router
+reads that entry's name, which is what its views key by, and looks nothing up.
 """
 
 from __future__ import annotations
@@ -13,10 +15,13 @@ if TYPE_CHECKING:
 
 
 def request_adapter(pending_request: Optional[PendingRequest]) -> Optional[str]:
-    """The adapter name from the request object (``args[0].adapter``); None for the base model."""
+    """The registry entry serving the request: ``args[0].resolved.name`` once the ingress resolved it, else
+    the name the caller gave (``args[0].adapter``: a direct call to the workers); None for the base model."""
     if pending_request is None or not pending_request.args:
         return None
-    adapter = getattr(pending_request.args[0], "adapter", None)
+    request = pending_request.args[0]
+    resolved = getattr(request, "resolved", None)
+    adapter = getattr(resolved, "name", None) if resolved is not None else getattr(request, "adapter", None)
     return adapter if isinstance(adapter, str) else None
 
 

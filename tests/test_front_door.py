@@ -95,3 +95,56 @@ def test_handle_calls_get_the_http_limits(guarded):
     items = list(stream)
     assert items[-1].usage["completion_tokens"] >= 1
     assert all(s["inflight"] == 0 for s in ingress_stats(handle, 2).values())   # every place was given back
+
+
+def test_a_chat_completion_looks_its_adapter_up_once(guarded):
+    """Through the real app (HTTP, proxy, two ingress replicas, router, worker, engine): the gate looks the name
+    up once per request; the worker and its engine look up nothing, since the request carries its uid."""
+    from ray import serve
+
+    base, handle = guarded["base"], guarded["handle"]
+    worker = serve.get_deployment_handle("LoRAWorker", app_name=APP)
+
+    def chat(i: int) -> httpx.Response:
+        return httpx.post(f"{base}/v1/chat/completions", timeout=60, json={
+            "model": "open-b", "messages": [{"role": "user", "content": f"hello {i}"}], "max_tokens": 2})
+
+    assert chat(-1).status_code == 200   # loads the adapter on the worker: a uid look-up, once per replica
+
+    def counts() -> tuple[int, int, int]:
+        pool = worker.pool_state.remote().result(timeout_s=30)
+        return (sum(s["registry_lookups"] for s in ingress_stats(handle, 2).values()), pool["registry_lookups"],
+                pool["engine"]["name_lookups"])
+
+    before = counts()
+    requests = 6
+    assert all(chat(i).status_code == 200 for i in range(requests))
+    after = counts()
+    assert [a - b for a, b in zip(after, before)] == [requests, 0, 0], (before, after)
+
+
+def test_a_uid_replaced_by_a_reregistration_is_refused_not_served_other_weights(guarded):
+    """A request resolved before its name was registered again reaches the worker with the old uid: the worker
+    refuses it (410), although the name now serves other weights there."""
+    from ray import serve
+
+    from engine.errors import AdapterUnregisteredError
+    from engine.request import AdapterRef, GenerateRequest
+
+    handle = guarded["handle"]
+    worker = serve.get_deployment_handle("LoRAWorker", app_name=APP)
+
+    def ask(**fields) -> GenerateRequest:
+        return GenerateRequest(adapter="swap", prompt="who serves me", max_tokens=2, **fields)
+
+    first = handle.register_adapter.remote("swap", "demo:demo-2").result(timeout_s=60)
+    assert handle.generate.remote(ask()).result(timeout_s=60).adapter == "swap"   # the worker holds the first uid
+    handle.unregister_adapter.remote("swap").result(timeout_s=60)
+    second = handle.register_adapter.remote("swap", "demo:demo-3").result(timeout_s=60)
+    try:
+        assert second["uid"] != first["uid"]
+        assert handle.generate.remote(ask()).result(timeout_s=60).completion_tokens >= 1  # the second uid, loaded
+        with pytest.raises(AdapterUnregisteredError, match=first["uid"]):
+            worker.generate.remote(ask(resolved=AdapterRef("swap", first["uid"]))).result(timeout_s=60)
+    finally:
+        handle.unregister_adapter.remote("swap").result(timeout_s=60)

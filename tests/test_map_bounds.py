@@ -38,7 +38,7 @@ def test_replica_maps_stay_at_their_bounds_through_10000_registrations(demo_asse
                                 max_batch_size=4, max_model_len=128, max_tokens_limit=8,
                                 host_cache_bytes=0).engine_config())
     source = str(demo_assets.adapters["demo-0"])
-    bounds = {"names": REGISTERED, "inflight": REGISTERED, "handover": engine.pool.slots, "staging": 0}
+    bounds = {"serving": REGISTERED, "inflight": REGISTERED, "handover": engine.pool.slots, "staging": 0}
     worst = dict.fromkeys(bounds, 0)
     try:
         for i in range(CYCLES):

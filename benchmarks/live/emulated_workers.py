@@ -10,6 +10,7 @@ replicas through a router afterwards.
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import json
 import os
 import time
@@ -63,6 +64,16 @@ class EmulatedLoRAWorker(LoRAWorker.func_or_class):
         self.emulation = _install(self.engine)
         self.mux = MultiplexedAdapters(self.engine, self.args, self.args.max_loras_per_batch)
         self.get_adapter = self.mux.get_adapter  # where Serve looks for the multiplexed function
+        ensure_uid = self.adapters.ensure_uid
+
+        async def ensure_timed(ref) -> None:
+            """The product's step that makes the request's adapter servable, noting when it was done."""
+            await ensure_uid(ref)
+            ready = _READY_AT.get()
+            if ready is not None:
+                ready["at"] = time.time()
+
+        self.adapters.ensure_uid = ensure_timed
 
     async def generate_timed(self, request: GenerateRequest) -> dict:
         """The request's result with the wall-clock times it reached this replica (``arrived_at``: routing and
@@ -74,7 +85,7 @@ class EmulatedLoRAWorker(LoRAWorker.func_or_class):
             await self.mux.ensure(request)
             ready["at"] = time.time()
             out = await _timed(self.engine.generate_stream(request, with_result=True))
-            out["result"].replica_id = self.replica_id
+            out["result"] = dataclasses.replace(out["result"], replica_id=self.replica_id)  # results are frozen
         else:
             token = _READY_AT.set(ready)
             try:
@@ -82,12 +93,6 @@ class EmulatedLoRAWorker(LoRAWorker.func_or_class):
             finally:
                 _READY_AT.reset(token)
         return {**out, "arrived_at": arrived, "ready_at": ready["at"]}
-
-    async def _ensure_adapter(self, name: Optional[str]) -> None:
-        await super()._ensure_adapter(name)
-        ready = _READY_AT.get()
-        if ready is not None:
-            ready["at"] = time.time()
 
     def emulation_stats(self, target: Optional[ReplicaTarget] = None) -> dict:
         """The emulation's charged times, the multiplexer's counts and the pool's slot loads (its own counter:

@@ -17,6 +17,7 @@ own view) and the engine pool's ``counters.loads`` (slot loads, as for the other
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import time
 from typing import Optional
@@ -122,16 +123,13 @@ class MultiplexedLoRAWorker:
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         await self.mux.ensure(request)
         result = await self.engine.generate(request)
-        result.replica_id = self.replica_id
-        return result
+        return dataclasses.replace(result, replica_id=self.replica_id)  # results are frozen: a copy names us
 
     async def generate_stream(self, request: GenerateRequest):
         """As ``LoRAWorker.generate_stream``: deltas, then the result (TTFT measurements)."""
         await self.mux.ensure(request)
         async for item in self.engine.generate_stream(request, with_result=True):
-            if isinstance(item, GenerateResult):
-                item.replica_id = self.replica_id
-            yield item
+            yield dataclasses.replace(item, replica_id=self.replica_id) if isinstance(item, GenerateResult) else item
 
     def stats(self) -> dict:
         """This replica's pool snapshot plus the multiplexer's own counts."""

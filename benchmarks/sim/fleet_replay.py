@@ -21,7 +21,7 @@ tiers, views and routers carry over, as on the live deployment):
 - the host tier never evicts: the live workers keep 1 GiB of the demo's adapters, a few kB
   each, whatever rank the cost model prices them at;
 - router views lag as live: the directory hears the workers' events after their 20 ms flush
-  (``deployments/worker.py`` ``FLUSH_INTERVAL_S``), and the affinity router polls it as its feed
+  (``deployments/worker_reports.py`` ``FLUSH_INTERVAL_S``), and the affinity router polls it as its feed
   thread does (``feed.PollPacing``: once per 16 routed requests, at least 0.2 s apart, or after 5 s);
   multiplexing's model sets arrive by Serve's 100 ms push (``PUSH_MULTIPLEXED_MODEL_IDS_INTERVAL_S``);
 - segments start at the live run's offsets when given (``starts``), else back to back: the

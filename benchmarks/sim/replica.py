@@ -6,7 +6,7 @@ worker pays it; ``benchmarks/live/emulated.py`` is the exact definition of that 
 module charges the same times at the same points:
 
 - **Disk read** (the adapter is in neither a slot nor the host tier): before the request
-  reaches the engine, off the engine thread (``deployments/worker.py`` ``_ensure_adapter``).
+  reaches the engine, off the engine thread (``deployments/worker_adapters.py`` ``ensure_entry``).
   The requester waits ``disk_read_s(rank)``, holding its Serve row; the batch does not.
   Reads of different adapters overlap; a second request for an adapter being read waits for
   that read (the worker's per-uid lock).
@@ -161,7 +161,7 @@ class SimReplica:
             self._read(uid, req)
 
     def follow_plan(self, planned: list[str], kept: Optional[list[str]] = None, at_once: bool = False) -> None:
-        """As a live worker with ``replicas_follow_plan`` (``LoRAWorker._plan_changed``): the pool evicts last
+        """As a live worker with ``replicas_follow_plan`` (``PlanFollower.changed``): the pool evicts last
         the adapters the plan gives a slot here (``kept``; None: all planned), and what the plan newly puts
         here (``routing.prefetch.prefetches``: not planned before, not resident, not staged) is read into the
         host tier ahead of traffic, off the step.

@@ -99,7 +99,7 @@ def warm_start_at_deploy(sim: Simulator, order: Optional[Sequence[int]] = None) 
        ``warm_start_plan`` puts the first ``slots - 1`` in slots, the next ``slots`` in its host tier;
     3. reports that pool; the directory's next plan tick (``update_plan``, once a second, seconds
        between two joins) places adapters on it, moving placements off the earlier replicas;
-    4. the replicas already warm follow that plan change (``LoRAWorker._plan_changed``: read ahead what
+    4. the replicas already warm follow that plan change (``PlanFollower.changed``: read ahead what
        it newly gives them, into a free slot first, evict the plan's adapters last); the one joining
        only notes its placements if its warm-up is still running (its reads take seconds: no read-ahead
        until it ends), and follows the change like the others if it had nothing to read (the first
@@ -145,7 +145,7 @@ def warm_start_at_deploy(sim: Simulator, order: Optional[Sequence[int]] = None) 
 
 
 def _slotted(directory: AdapterDirectory, replica_id: str) -> list[str]:
-    """What the plan gives a slot on ``replica_id`` (the worker keeps those: ``LoRAWorker._plan_changed``)."""
+    """What the plan gives a slot on ``replica_id`` (the worker keeps those: ``PlanFollower.changed``)."""
     return list(directory.plan.slotted.get(replica_id, ()))
 
 
