@@ -29,7 +29,7 @@ from engine.engine import LoRAEngine
 from engine.request import GenerateRequest, GenerateResult, ReplicaTarget, TokenDelta
 from pool.events import PoolEvent
 from routing.autoscale import DemandWindow, working_set_sketch
-from routing.directory import ReplicaState
+from routing.replica_state import ReplicaState
 
 from .autoscaling import LOADS_METRIC, PINNED_METRIC, SLOTS_METRIC, sketch_metric
 from .config import AppArgs, resolve_demo_source

@@ -55,7 +55,7 @@ class DirectoryReporter:
             self._busy_s[name] += time.monotonic() - started
 
     def state_extras(self) -> dict:
-        """What a replica's state holds beside its pool snapshot (``routing.directory.ReplicaState``)."""
+        """What a replica's state holds beside its pool snapshot (``routing.replica_state.ReplicaState``)."""
         timings = self.adapters.load_timings
         return {"queue_len": self.engine.queue_len(), "host_cached": self.engine.host_cached_uids(),
                 "loading": sorted(self.adapters.loading), "rows": self.rows,
