@@ -14,6 +14,7 @@ from typing import Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from engine.config import EngineConfig
+from pool.eviction import EVICTION_POLICIES
 from pool.shapes import ALL_TARGET_MODULES
 from pool.sources import validate_object_store_prefixes, validate_resolver_roots
 from routing.settings import RoutingSettings
@@ -44,7 +45,7 @@ class AdapterSpec(BaseModel):
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]  # auto: bf16 on CUDA, fp32 on the CPU
 Device = Literal["auto", "cpu", "cuda"]
-EvictionPolicyName = Literal["lru", "fifo", "sieve"]  # pool.eviction.EVICTION_POLICIES (a test keeps them equal)
+EvictionPolicyName = Literal[tuple(EVICTION_POLICIES)]  # the pool's policies, named once (pool.eviction)
 
 
 class AppArgs(BaseModel):

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import typing
 from dataclasses import fields
 
 import pytest
 from pydantic import ValidationError
 
-from deployments.config import AppArgs, EvictionPolicyName
+from deployments.config import AppArgs
 from engine.config import EngineConfig
-from pool.eviction import EVICTION_POLICIES
 from routing.ray_router import check_router_kwargs
 
 pytestmark = pytest.mark.unit
@@ -32,10 +30,6 @@ def test_engine_config_takes_every_value_from_app_args():
 def test_engine_config_has_no_defaults_of_its_own():
     with pytest.raises(TypeError):
         EngineConfig(base_model="demo")  # type: ignore[call-arg]
-
-
-def test_eviction_policy_choices_match_the_pool():
-    assert set(typing.get_args(EvictionPolicyName)) == set(EVICTION_POLICIES)
 
 
 @pytest.mark.parametrize("field,value", [("dtype", "float8"), ("device", "tpu"), ("eviction_policy", "random"),
