@@ -33,7 +33,7 @@ def make(budget, num_blocks=64, block_size=4, max_batch=4, cap=None):
 def seq(prompt_len, max_tokens=3):
     ids = [10 + i % 50 for i in range(prompt_len)]
     request = GenerateRequest(token_ids=ids, max_tokens=max_tokens)
-    return Sequence(request, None, ids, IncrementalDetokenizer(TOKENIZER, []), lambda item: None, torch.device("cpu"))
+    return Sequence(request, None, ids, IncrementalDetokenizer(TOKENIZER, []), lambda item: None)
 
 
 def step(sched, blocks):
