@@ -81,9 +81,10 @@ def sample_tokens(logits: torch.Tensor, temperatures: Sequence[float], top_ps: S
     # every row in descending order (cut or not): the inverse CDF then maps a uniform to the same token whatever
     # the batch (stable, so tied probabilities keep their order too)
     probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
-    probs = probs * (torch.arange(vocab, device=device)[None, :] < top_k[:, None])  # top-k
-    kept_mass = probs.sum(dim=-1, keepdim=True)
-    probs = probs * ((torch.cumsum(probs, dim=-1) - probs) < nucleus * kept_mass)  # top-p of what top-k kept
+    if any(0 < top_ks[i] < vocab for i in rows):  # (read on the host: no row cuts, no pass over the vocabulary)
+        probs = probs * (torch.arange(vocab, device=device)[None, :] < top_k[:, None])
+        nucleus = nucleus * probs.sum(dim=-1, keepdim=True)  # top-p of what top-k kept
+    probs = probs * ((torch.cumsum(probs, dim=-1) - probs) < nucleus)  # keeps the most likely token
     cumulative = torch.cumsum(probs, dim=-1)
     targets = uniforms(params[4].long(), params[5].long(), params[6].long()) * cumulative[:, -1]
     kept = (probs > 0).sum(dim=-1, keepdim=True).clamp(min=1)  # a target rounded up to the total takes the last kept
