@@ -1,7 +1,8 @@
 """Next-token choice for a whole step at once: greedy rows by one argmax, sampled rows by one inverse-CDF pass.
 
-Sampled rows (temperature, top-k, top-p) share one softmax, one sort, one cumulative sum
-and one ``searchsorted``, and their parameters reach the device in one copy. Each row's
+Sampled rows (temperature, top-k, top-p) share one softmax, one cumulative sum and one
+``searchsorted`` (and one sort, over the rows that cut), and their parameters reach the
+device in one copy. Each row's
 randomness is one uniform number computed on the device from its request's seed and the
 number of tokens it has generated (a counter-based hash, ``uniforms``), so a request's
 tokens depend on its seed alone, never on what else is in the batch or on the device
@@ -56,37 +57,56 @@ def uniforms(seed_lo: torch.Tensor, seed_hi: torch.Tensor, counters: torch.Tenso
     return (h >> (32 - UNIFORM_BITS)).float() / float(1 << UNIFORM_BITS)
 
 
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """[rows, 1] column of the token each uniform picks in its row of (unnormalised, non-negative) ``probs``: the
+    first whose running sum passes ``u`` times the total, and never one of probability 0 (a target that rounds up
+    to the total takes the first column where the sum reaches it, the last one that adds anything)."""
+    cumulative = torch.cumsum(probs, dim=-1)
+    total = cumulative[:, -1:].contiguous()
+    picks = torch.searchsorted(cumulative, u[:, None] * total, right=True)
+    return torch.minimum(picks, torch.searchsorted(cumulative, total))
+
+
 def sample_tokens(logits: torch.Tensor, temperatures: Sequence[float], top_ps: Sequence[float],
                   top_ks: Sequence[int], seeds: Sequence[int], counters: Sequence[int],
                   usable: Optional[torch.Tensor] = None) -> torch.Tensor:
     """[rows] int64 tokens on ``logits``' device. Row i samples with ``seeds[i]`` (any int; its low 64 bits) at
     ``counters[i]`` (the tokens it has generated); ``top_ks[i]`` 0 keeps every token. ``usable`` (bool [rows], on
     the device): rows whose logits are finite; the others get a placeholder token (their caller reports an error
-    for them), never a NaN in the shared softmax."""
+    for them), never a NaN in the shared softmax.
+
+    Rows that cut (top-p below 1, top-k below the vocabulary) sort their probabilities, which costs most of a
+    sampled step on the CPU (a stable sort of 32 x 32k probabilities takes ~100 ms on two cores); the others
+    (OpenAI's default top-p 1) sample from the vocabulary in its own order. Which way a row goes depends on its
+    own parameters alone, so its token still does not depend on the batch."""
     tokens = logits.argmax(dim=-1)
-    rows = [i for i, t in enumerate(temperatures) if not is_greedy(t)]
-    if not rows:
+    sampled = [i for i, t in enumerate(temperatures) if not is_greedy(t)]
+    if not sampled:
         return tokens
     device, vocab = logits.device, logits.shape[-1]
+    cuts = [i for i in sampled if top_ps[i] < 1 or 0 < top_ks[i] < vocab]
+    rows = cuts + [i for i in sampled if i not in set(cuts)]  # the cutting rows first: slices of known size
     # every row's parameters in one host-to-device copy (float64 holds each 32-bit integer exactly)
     params = to_device(torch.tensor([rows, [temperatures[i] for i in rows], [top_ps[i] for i in rows],
                                      [top_ks[i] if 0 < top_ks[i] < vocab else vocab for i in rows],
                                      [seeds[i] & MASK32 for i in rows], [(seeds[i] >> 32) & MASK32 for i in rows],
                                      [counters[i] & MASK32 for i in rows]], dtype=torch.float64), device)
     index, temps, nucleus, top_k = params[0].long(), params[1].float(), params[2].float()[:, None], params[3].long()
+    u = uniforms(params[4].long(), params[5].long(), params[6].long())
     sub = logits.index_select(0, index).float()
     if usable is not None:
         sub = torch.where(usable.index_select(0, index)[:, None], sub, torch.zeros((), device=device))
     probs = torch.softmax(sub / temps[:, None], dim=-1)
-    # every row in descending order (cut or not): the inverse CDF then maps a uniform to the same token whatever
-    # the batch (stable, so tied probabilities keep their order too)
-    probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
-    if any(0 < top_ks[i] < vocab for i in rows):  # (read on the host: no row cuts, no pass over the vocabulary)
-        probs = probs * (torch.arange(vocab, device=device)[None, :] < top_k[:, None])
-        nucleus = nucleus * probs.sum(dim=-1, keepdim=True)  # top-p of what top-k kept
-    probs = probs * ((torch.cumsum(probs, dim=-1) - probs) < nucleus)  # keeps the most likely token
-    cumulative = torch.cumsum(probs, dim=-1)
-    targets = uniforms(params[4].long(), params[5].long(), params[6].long()) * cumulative[:, -1]
-    kept = (probs > 0).sum(dim=-1, keepdim=True).clamp(min=1)  # a target rounded up to the total takes the last kept
-    picks = torch.minimum(torch.searchsorted(cumulative, targets[:, None], right=True), kept - 1)
-    return tokens.index_copy(0, index, order.gather(1, picks)[:, 0])
+    n = len(cuts)
+    chosen = []
+    if n:
+        # descending (stable: tied probabilities keep their order), so the cuts keep a prefix
+        ordered, order = torch.sort(probs[:n], dim=-1, descending=True, stable=True)
+        if any(0 < top_ks[i] < vocab for i in cuts):  # (read on the host: no row cuts, no pass over the vocabulary)
+            ordered = ordered * (torch.arange(vocab, device=device)[None, :] < top_k[:n, None])
+            nucleus = nucleus[:n] * ordered.sum(dim=-1, keepdim=True)  # top-p of what top-k kept
+        ordered = ordered * ((torch.cumsum(ordered, dim=-1) - ordered) < nucleus[:n])  # keeps the most likely
+        chosen.append(order.gather(1, _inverse_cdf(ordered, u[:n]))[:, 0])
+    if n < len(rows):
+        chosen.append(_inverse_cdf(probs[n:], u[n:])[:, 0])
+    return tokens.index_copy(0, index, torch.cat(chosen))

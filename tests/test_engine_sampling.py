@@ -84,3 +84,14 @@ def test_rows_with_non_finite_logits_do_not_poison_the_others():
     tokens = sample(logits, [1.0, 1.0, 1.0], [0.9, 0.9, 0.9], [1, 2, 3], [0, 0, 0], usable=usable)
     clean = sample(logits[[0, 2]], [1.0, 1.0], [0.9, 0.9], [1, 3], [0, 0])
     assert tokens[[0, 2]].tolist() == clean.tolist()
+
+
+def test_the_inverse_cdf_never_picks_a_token_of_probability_zero():
+    """Uniforms at both ends, with masked tokens (probability 0) first, inside and last in the row."""
+    from engine.sampling import _inverse_cdf
+
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.75, 0.0, 0.0]] * 4)
+    u = torch.tensor([0.0, 0.25, 0.2500001, 1 - 2 ** -24])
+    assert _inverse_cdf(probs, u)[:, 0].tolist() == [1, 3, 3, 3]
+    masked_tail = torch.tensor([[1e-30, 3e-8, 1.0] + [0.0] * 5])  # the total is reached before the masked tail
+    assert _inverse_cdf(masked_tail, torch.tensor([1 - 2 ** -24]))[:, 0].tolist() == [2]
