@@ -13,7 +13,8 @@ no network, pytest optional): what a developer with a lent GPU runs, in under 8 
    kernels alone against the torch loop, and one profiled batch-64 decode step (launches, host µs, GPU µs;
    ``benchmarks.gpu_profile``);
 5. 32 prompts of 7.5k tokens at serve_config.gpu.yaml's settings (max_batch_size 32, max_model_len 8192): all
-   finish, no out-of-memory (the token budget and chunked prefill bound every step).
+   finish, no out-of-memory (the token budget and chunked prefill bound every step); and how many LoRA kernel
+   variants Triton compiled after the 8B engine was ready (its start-up check should have compiled them all).
 
 Each engine is shut down and its memory handed back before the next starts. Every figure is a ``gpu_*`` goal in
 the JSON. Without CUDA it says so and exits 0 with every goal unjudged.
@@ -45,7 +46,7 @@ DECODE_FLOOR_RATIO = 1.5    # decode step over its GEMMs at batch 64
 DEMO_KV_BYTES = 64 << 20    # the demo engine's KV cache: small, so the 8B engine after it sizes from a free card
 LONG_PROMPTS, LONG_PROMPT_TOKENS = 32, 7500
 GOAL_NAMES = ("gpu_cuda_tests_failed", "gpu_peft_bf16_max_logit_diff", "gpu_peft_bf16_greedy_equal",
-              "gpu_decode_vs_gemm_floor_b64", "gpu_no_oom_32x7500")
+              "gpu_decode_vs_gemm_floor_b64", "gpu_no_oom_32x7500", "gpu_lora_compiles_after_ready")
 
 
 def missing_modules(names: Sequence[str]) -> list[str]:
@@ -172,7 +173,7 @@ def llama3_8b_checks(device, quick: bool) -> dict[str, Any]:
     from pool.shapes import LoRAModelShape
 
     from .engine_throughput import LLAMA3_8B, build_model, make_engine
-    from .gpu_profile import profile_decode_step, time_lora_kernels
+    from .gpu_profile import compiled_lora_variants, profile_decode_step, time_lora_kernels
     from .lora_compute import write_adapters
     from .throughput.roofline import base_weights, measure_decode
     from .throughput.systems import run_engine
@@ -187,14 +188,17 @@ def llama3_8b_checks(device, quick: bool) -> dict[str, Any]:
                                 max_tokens=64, max_model_len=8192, max_batch_size=64)
     out: dict[str, Any] = {"kv_blocks": engine.cache.num_blocks, "token_budget": engine.scheduler.max_num_batched_tokens,
                            "fast_paths": engine.stats()["fast_paths"]}
+    ready = compiled_lora_variants()  # the engine is ready: its start-up check compiled what serving needs
     try:
         requests = make_workload(64, (16, 512), (16, 64), seed=0)
-        run_engine(engine, requests[:4], names)  # warm-up (kernels compiled, slots loaded)
+        run_engine(engine, requests[:4], names)  # warm-up (slots loaded)
         served, started = run_engine(engine, requests, names)
         out["mixed_64"] = summarize(served, started)
         weights = base_weights(engine.model)
         for batch in (32, 64):
             out[f"decode_b{batch}"] = measure_decode(engine, weights, names, batch, 512, repeats=5 if quick else 10)
+        served_variants = compiled_lora_variants()  # (before the kernels are timed alone, at shapes of their own)
+        out["lora_compiles_after_ready"] = None if None in (ready, served_variants) else served_variants - ready
         out["lora_kernels"] = time_lora_kernels(engine, batch=64, adapters=len(names))
         out["profile_b64"] = profile_decode_step(engine, names, batch=64, context=512)
         engine.scheduler.max_batch_size = 32
@@ -220,11 +224,13 @@ def judge(tests: Optional[dict], peft_eq: Optional[dict], big: Optional[dict]) -
     greedy = None if peft_eq is None else peft_eq["greedy_equal"] / peft_eq["requests"]
     ratio = None if big is None else big["decode_b64"]["step_over_gemms"]
     longs = None if big is None else big["long_prompts"]["finished"]
+    compiles = None if big is None else big.get("lora_compiles_after_ready")
     verdicts = [(failed, "== 0", None if failed is None else failed == 0),
                 (diff, f"<= {BF16_LOGIT_TOL}", None if diff is None else diff <= BF16_LOGIT_TOL),
                 (greedy, "== 1.0", None if greedy is None else greedy == 1.0),
                 (ratio, f"<= {DECODE_FLOOR_RATIO}", None if ratio is None else ratio <= DECODE_FLOOR_RATIO),
-                (longs, f"== {LONG_PROMPTS}", None if longs is None else longs == LONG_PROMPTS)]
+                (longs, f"== {LONG_PROMPTS}", None if longs is None else longs == LONG_PROMPTS),
+                (compiles, "== 0", None if compiles is None else compiles == 0)]
     return [common.goal(name, measured, target, passed)
             for name, (measured, target, passed) in zip(GOAL_NAMES, verdicts)]
 
@@ -271,7 +277,8 @@ def run(args) -> int:
         profiled = big["profile_b64"]
         print(f"profiled decode step, batch 64: {profiled['launches']} kernel launches, host "
               f"{profiled['host_us']:.0f} µs, GPU {profiled['gpu_us']:.0f} µs; top kernels {profiled['top_kernels_us']}")
-        print(f"8B engine fast paths: {big['fast_paths']}")
+        print(f"8B engine fast paths: {big['fast_paths']}; LoRA kernel variants compiled after ready: "
+              f"{big['lora_compiles_after_ready']} (serving 64 mixed requests and the decode steps)")
         print(f"{LONG_PROMPTS} prompts of {LONG_PROMPT_TOKENS} tokens: {big['long_prompts']}")
     goals = judge(tests, peft_eq, big)
     common.print_goals(goals)

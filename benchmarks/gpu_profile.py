@@ -6,12 +6,14 @@
 - ``profile_decode_step``: one engine decode step under ``torch.profiler``: kernel launches,
   host µs (the step's wall time on the CPU side up to its one sync) and GPU µs (the sum of
   its kernels' durations), with the ten costliest kernels by GPU time.
+- ``compiled_lora_variants``: how many variants of the two LoRA kernels Triton has compiled
+  in this process, read before and after serving: any growth is a compile after ready.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -20,6 +22,20 @@ from engine.lora_layers import LoRASegment, add_segment_loop, kernel_groups
 from engine.lora_plan import SegmentPlan
 
 from .throughput.roofline import decode_inputs
+
+
+def compiled_lora_variants() -> Optional[int]:
+    """The compiled variants of ``engine.lora_triton``'s two kernels in Triton's per-device kernel caches (the first
+    element of each ``device_caches`` entry in Triton 3.x); None where this Triton keeps them elsewhere."""
+    from engine import lora_triton
+
+    total = 0
+    for kernel in (lora_triton._shrink_kernel, lora_triton._expand_kernel):
+        caches = getattr(kernel, "device_caches", None)
+        if caches is None:
+            return None
+        total += sum(len(entry[0]) for entry in list(caches.values()))
+    return total
 
 
 def _gpu_us(fn, repeats: int) -> float:

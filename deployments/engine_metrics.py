@@ -1,4 +1,10 @@
-"""Per-replica request-lifecycle metrics: cancellations and the engine's queue, pushed once a second."""
+"""Per-replica engine metrics: cancellations, the engine's queue, and which fast paths serve.
+
+The queue and cancellations are pushed once a second. The fast paths are decided once, at
+start (``engine.fast_paths``), and exported as a gauge of 1 per (path, used) pair, so an
+operator sees a replica that fell back to torch (a missing compiler, a kernel the card
+refuses) without reading its log.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +17,10 @@ class EngineMetrics:
                                  description="Requests dropped from the engine because their caller went away")
         self.waiting = Gauge("lorafleet_engine_waiting_requests", description="Requests waiting for a batch slot")
         self.running = Gauge("lorafleet_engine_running_requests", description="Requests in the running batch")
+        self.fast_path = Gauge("lorafleet_engine_fast_path",
+                               description="1 for the path each engine fast path serves on (attention: flashinfer "
+                                           "or torch; lora_kernels: triton or torch), as the start-up check decided",
+                               tag_keys=("path", "used", "intended"))
         self._last_cancelled = 0
 
     def update(self, stats: dict) -> None:
@@ -20,3 +30,5 @@ class EngineMetrics:
             self._last_cancelled = stats["cancelled"]
         self.waiting.set(stats["waiting"])
         self.running.set(stats["running"])
+        for path, decision in stats["fast_paths"].items():
+            self.fast_path.set(1, tags={"path": path, "used": decision["used"], "intended": decision["intended"]})

@@ -55,6 +55,7 @@ class _Common(BaseModel):
     response_format: Optional[dict] = None
     # vLLM's extra sampling parameters, which evaluation and load tools send
     repetition_penalty: Optional[float] = Field(default=None, gt=0.0, le=10.0, allow_inf_nan=False)
+    top_k: Optional[int] = Field(default=None, ge=-1)  # -1 and 0: every token (vLLM takes both)
     min_tokens: Optional[int] = Field(default=None, ge=0)
     stop_token_ids: Optional[list[int]] = None
     ignore_eos: Optional[bool] = None
@@ -126,6 +127,7 @@ def to_generate_request(body: Union[CompletionRequest, ChatCompletionRequest], a
     _check_common(body)
     common = dict(
         adapter=adapter, temperature=_default(body.temperature, 1.0), top_p=_default(body.top_p, 1.0),
+        top_k=max(0, _default(body.top_k, 0)),
         seed=body.seed, stop=body.stop, n=_default(body.n, 1),
         presence_penalty=_default(body.presence_penalty, 0.0), frequency_penalty=_default(body.frequency_penalty, 0.0),
         repetition_penalty=_default(body.repetition_penalty, 1.0), min_tokens=_default(body.min_tokens, 0),

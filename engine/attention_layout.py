@@ -11,6 +11,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from .host_copy import to_device
+
 
 class StepLayout:
     """Where a step's tokens go in the cache and which cached positions each one reads.
@@ -100,10 +102,7 @@ def decode_groups(num_blocks: Sequence[int]) -> list[list[int]]:
 
 def _stage(values: list[int], device: torch.device) -> torch.Tensor:
     """``values`` as int64 on ``device`` in one copy (from pinned memory on CUDA, so it does not stall the host)."""
-    host = torch.tensor(values, dtype=torch.long)
-    if device.type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
+    return to_device(torch.tensor(values, dtype=torch.long), device)
 
 
 class _DecodeGather:

@@ -159,8 +159,7 @@ class LoRAEngine(StepLoop, EngineReadAPI):
             return self._grammar
 
     def _sequence(self, request: GenerateRequest, uid: Optional[str], ids: list[int], sink) -> Sequence:
-        seq = Sequence(request, uid, ids, IncrementalDetokenizer(self.tokenizer, request.stop_strings), sink,
-                       self.device)
+        seq = Sequence(request, uid, ids, IncrementalDetokenizer(self.tokenizer, request.stop_strings), sink)
         if request.response_format is not None:
             grammar = self.grammar.compile(request.response_format)  # cached: compiled at submission
             seq.matcher = None if grammar is None else self.grammar.matcher(grammar)

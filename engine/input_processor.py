@@ -42,6 +42,8 @@ class InputProcessor:
             raise InvalidRequestError("temperature", f"temperature must be >= 0, got {request.temperature}")
         if not 0 < request.top_p <= 1:
             raise InvalidRequestError("top_p", f"top_p must be in (0, 1], got {request.top_p}")
+        if not isinstance(request.top_k, int) or request.top_k < 0:
+            raise InvalidRequestError("top_k", f"top_k must be an integer >= 0 (0: every token), got {request.top_k!r}")
         uid = request.resolved.uid if request.resolved is not None else self.adapters.resolve(request.adapter)
         ids = self.prompt_ids(request)
         if request.max_tokens is None:  # what the context leaves, capped (the engine's copy of the request)

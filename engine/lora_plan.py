@@ -2,7 +2,7 @@
 
 Built once per step from the host's segment list in one host-to-device copy and read by
 every LoRA layer of the step. Kept free of Triton so the engine can build and hold it on
-machines where Triton is missing (the kernels then never run; see ``engine.self_check``).
+machines where Triton is missing (the kernels then never run; see ``engine.fast_paths``).
 
 Each field starts on a 16-byte boundary of the packed buffer: Triton compiles a kernel
 once per pointer-alignment class, so a field whose offset depended on the number of

@@ -22,7 +22,7 @@ Two things keep a decode step's LoRA cheap on a large GPU:
 The grid's only runtime-varying integers (``splits``, ``k_per_split``) are left
 unspecialised, and every other argument is fixed by the model's shapes, so the variants a
 replica needs are exactly (slices, ``BLOCK_R``) for the configured dtype: the start-up
-self-check (``engine.self_check``) compiles each one before the replica is ready.
+self-check (``engine.check_lora``) compiles each one before the replica is ready.
 
 CUDA runs them compiled; the CPU keeps the torch segment loop (``engine.lora_layers``),
 and the tests prove these kernels equal it under Triton's interpreter
@@ -47,6 +47,11 @@ MAX_SLICES = 3  # projections sharing one input fused in a launch (q/k/v)
 RANK_BLOCKS = (16, 32, 64, 128)  # the BLOCK_R variants: ranks padded to a power of two, 16 at least
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # read at import, as Triton reads it
 DEFAULT_TARGET_PROGRAMS = 264  # shrink programs split-K aims for: 2 per SM of a 132-SM GPU (EngineTuning overrides)
+# the integer arguments that vary from step to step, left unspecialised so that they never select a new compiled
+# variant (every other argument is fixed by the model, the pool and the dtype; tests/test_engine_fast_paths.py
+# checks serving launches no variant the start-up check did not)
+SHRINK_UNSPECIALISED = ("splits", "k_per_split")
+EXPAND_UNSPECIALISED = ("splits",)
 
 
 @triton.jit
@@ -61,7 +66,7 @@ def _segment_tile(starts_ptr, lengths_ptr, slots_ptr, ranks_ptr, BLOCK_M: tl.con
     return tokens, row_ok, r, r_ok, tl.load(slots_ptr + seg).to(tl.int64)
 
 
-@triton.jit(do_not_specialize=["splits", "k_per_split"])
+@triton.jit(do_not_specialize=SHRINK_UNSPECIALISED)
 def _shrink_kernel(x_ptr, a0_ptr, a1_ptr, a2_ptr, y_ptr, starts_ptr, lengths_ptr, slots_ptr, ranks_ptr,
                    in_features, splits, k_per_split, stride_xt, stride_as, stride_ar, stride_ys, stride_yk,
                    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, NUM_SLICES: tl.constexpr,
@@ -97,7 +102,7 @@ def _shrink_kernel(x_ptr, a0_ptr, a1_ptr, a2_ptr, y_ptr, starts_ptr, lengths_ptr
     tl.store(y_ptrs, acc, mask=row_ok[:, None])  # fp32 partial sums: expand adds the splits up
 
 
-@triton.jit(do_not_specialize=["splits"])
+@triton.jit(do_not_specialize=EXPAND_UNSPECIALISED)
 def _expand_kernel(y_ptr, bt0_ptr, bt1_ptr, bt2_ptr, out0_ptr, out1_ptr, out2_ptr, n0, n1, n2,
                    starts_ptr, lengths_ptr, slots_ptr, ranks_ptr, scales_ptr, splits, max_rank, stride_ys, stride_yk,
                    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SLICES: tl.constexpr,

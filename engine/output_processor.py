@@ -67,7 +67,8 @@ def next_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_ids: set[int] = 
     requests = [seq.request for seq in seqs]
     try:
         chosen = sample_tokens(logits, [r.temperature for r in requests], [r.top_p for r in requests],
-                               [seq.generator for seq in seqs], finite)
+                               [r.top_k for r in requests], [seq.sample_seed for seq in seqs],
+                               [len(seq.output_ids) for seq in seqs], finite)
         picked, ok = torch.stack([chosen, finite.to(chosen.dtype)]).tolist()  # the step's one transfer
         failure: Optional[Exception] = None
     except RuntimeError as exc:  # a sampling error fails the rows that sample, never the greedy ones

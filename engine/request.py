@@ -41,6 +41,7 @@ class GenerateRequest:
     max_tokens: Optional[int] = 16  # None: what the context window leaves, capped by max_tokens_limit
     temperature: float = 0.0
     top_p: float = 1.0
+    top_k: int = 0  # sample from the k most likely tokens only (0: every token)
     seed: Optional[int] = None  # choice i of n samples with seed + i
     stop: Union[str, list[str], None] = None
     n: int = 1                                  # parallel samples of one prompt (prefilled once)

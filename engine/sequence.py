@@ -4,17 +4,16 @@ from __future__ import annotations
 
 from typing import Callable, Optional, Union
 
-import torch
-
 from .detokenizer import IncrementalDetokenizer
 from .request import GenerateRequest, GenerateResult, TokenDelta, TokenLogprob
+from .sampling import fresh_seed
 
 SinkItem = Union[TokenDelta, GenerateResult, BaseException]
 
 
 class Sequence:
     def __init__(self, request: GenerateRequest, uid: Optional[str], prompt_ids: list[int],
-                 detokenizer: IncrementalDetokenizer, sink: Callable[[SinkItem], None], device: torch.device):
+                 detokenizer: IncrementalDetokenizer, sink: Callable[[SinkItem], None]):
         self.request = request
         self.uid = uid
         self.prompt_ids = prompt_ids
@@ -27,11 +26,8 @@ class Sequence:
         self.blocked_steps = 0
         self.cancel_reason: Optional[BaseException] = None
         self.tokens_at_cancel = 0              # output tokens when it was cancelled (steps spent after: the rest)
-        self.generator: Optional[torch.Generator] = None
-        if request.temperature > 0:
-            # sampling runs on the logits' device, so the generator lives there too
-            self.generator = torch.Generator(device=device)
-            self.generator.manual_seed(request.seed if request.seed is not None else torch.seed())
+        # what its sampled tokens are a function of, with its output position (engine.sampling.uniforms)
+        self.sample_seed: int = request.seed if request.seed is not None else fresh_seed()
         # per-request output features (engine.sample_group, engine.logprobs, engine.grammar)
         self.group = None                      # the SampleGroup of an n > 1 request
         self.choice_index = 0

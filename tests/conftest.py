@@ -23,8 +23,12 @@ sys.path.insert(0, str(Path(__file__).parent))  # tests' helper modules
 
 ADMIN_TOKEN = "test-admin-token"
 FLEET_APP = "lorafleet"
+# On CUDA, a test engine's KV cache takes this share of the free GPU memory (the default 0.8 is one replica per
+# card; a test module keeps a fixture's engine beside its tests' own, and a fleet runs replicas side by side). The
+# CPU ignores it.
+TEST_KV_FRACTION = 0.1
 FLEET_ARGS = dict(max_loras_per_batch=3, max_lora_rank=16, max_batch_size=4, max_tokens_limit=64,
-                  max_model_len=256, host_cache_bytes=64 << 20)
+                  max_model_len=256, host_cache_bytes=64 << 20, kv_cache_memory_fraction=TEST_KV_FRACTION)
 CLUSTER_FIXTURE = "ray_cluster"
 
 

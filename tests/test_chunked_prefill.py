@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 
+from conftest import TEST_KV_FRACTION
 from deployments.config import AppArgs
 from engine.block_manager import BlockManager
 from engine.detokenizer import IncrementalDetokenizer
@@ -33,7 +34,7 @@ def make(budget, num_blocks=64, block_size=4, max_batch=4, cap=None):
 def seq(prompt_len, max_tokens=3):
     ids = [10 + i % 50 for i in range(prompt_len)]
     request = GenerateRequest(token_ids=ids, max_tokens=max_tokens)
-    return Sequence(request, None, ids, IncrementalDetokenizer(TOKENIZER, []), lambda item: None, torch.device("cpu"))
+    return Sequence(request, None, ids, IncrementalDetokenizer(TOKENIZER, []), lambda item: None)
 
 
 def step(sched, blocks):
@@ -149,7 +150,8 @@ def test_the_profiling_forward_runs_a_full_budget_step_and_the_reserve_leaves_th
     from engine.engine import LoRAEngine
     from engine.kv_cache import kv_budget_bytes
 
-    engine = LoRAEngine(AppArgs(base_model=str(demo_assets.model_dir), max_num_batched_tokens=96).engine_config())
+    engine = LoRAEngine(AppArgs(base_model=str(demo_assets.model_dir), max_num_batched_tokens=96,
+                                kv_cache_memory_fraction=TEST_KV_FRACTION).engine_config())
     try:
         with engine._step_lock:
             logits = profile_forward(engine.model, engine.pool, engine.context, engine.config, engine.device,

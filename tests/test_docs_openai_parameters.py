@@ -73,7 +73,7 @@ def test_every_openai_parameter_is_documented_ignored_or_refused_by_name(endpoin
 # `stream` picks the worker's method (generate_stream), not a field: test_streaming_completions_and_chat covers it
 EFFECTS = {
     "max_tokens": (7, "max_tokens", 7), "temperature": (0.5, "temperature", 0.5), "top_p": (0.5, "top_p", 0.5),
-    "seed": (3, "seed", 3), "stop": (["x"], "stop", ["x"]), "n": (3, "n", 3),
+    "seed": (3, "seed", 3), "top_k": (5, "top_k", 5), "stop": (["x"], "stop", ["x"]), "n": (3, "n", 3),
     "presence_penalty": (1.0, "presence_penalty", 1.0), "frequency_penalty": (-1.0, "frequency_penalty", -1.0),
     "repetition_penalty": (1.2, "repetition_penalty", 1.2), "min_tokens": (2, "min_tokens", 2),
     "stop_token_ids": ([5], "stop_token_ids", [5]), "ignore_eos": (True, "ignore_eos", True),

@@ -15,7 +15,7 @@ from engine import fast_paths
 from engine.engine import LoRAEngine
 from engine.request import GenerateRequest
 from engine.tuning import EngineTuning
-from triton_interpret import interpreted_lora_kernels
+from triton_interpret import interpreted_lora_kernels, recorded_variants
 
 PROMPT = [1, 40, 41, 42, 43]
 
@@ -81,6 +81,44 @@ def test_kernels_that_pass_the_check_serve_the_same_tokens(demo_assets, torch_to
             assert serve_two_adapters(engine, demo_assets) == torch_tokens
         finally:
             engine.shutdown()
+
+
+def test_serving_launches_no_kernel_variant_the_start_up_check_did_not(demo_assets, tmp_path):
+    """Nothing compiles after ready: every launch while serving (prefills and decodes of two and three adapters of
+    ranks 4 to 40, so BLOCK_R 16 and 64, adapters swapped into other slots) has a specialisation key the start-up
+    check already launched, so on a GPU it finds its kernel compiled."""
+    from transformers import AutoConfig
+
+    from engine.demo import write_demo_adapter
+    from pool.shapes import LoRAModelShape
+
+    modules = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    shape = LoRAModelShape.from_hf_config(AutoConfig.from_pretrained(demo_assets.model_dir), modules)
+    wide = write_demo_adapter(tmp_path / "rank40", shape, rank=40, target_modules=modules, alpha=40, seed=7)
+    with interpreted_lora_kernels() as kernels, recorded_variants(kernels) as launched:
+        engine = LoRAEngine(AppArgs(base_model=str(demo_assets.model_dir), max_loras_per_batch=4, max_lora_rank=64,
+                                    max_model_len=128, kv_cache_bytes=1 << 20).engine_config("variants"),
+                            tuning=EngineTuning(lora_kernels="fast"))
+        try:
+            assert engine.stats()["fast_paths"]["lora_kernels"]["used"] == "triton"
+            checked = set(launched)
+            launched.clear()
+            engine.register_adapter("wide", str(wide))
+            for name in ("demo-0", "demo-1", "demo-2"):
+                engine.register_adapter(name, str(demo_assets.adapters[name]))
+            import asyncio
+
+            async def batch(names, lengths):
+                return await asyncio.gather(*(engine.generate(GenerateRequest(
+                    adapter=n, token_ids=PROMPT * k, max_tokens=3)) for n, k in zip(names, lengths)))
+
+            asyncio.run(batch(["demo-0", "wide", "demo-2"], [1, 3, 5]))
+            asyncio.run(batch(["demo-1", "demo-0"], [4, 2]))  # demo-1 takes another adapter's slot
+            asyncio.run(batch(["wide", "demo-1", "demo-2", "demo-0"], [2, 1, 6, 3]))
+        finally:
+            engine.shutdown()
+    assert {key[0] for key in launched} == {"_shrink_kernel", "_expand_kernel"}
+    assert launched <= checked, sorted(launched - checked)
 
 
 def _no_triton(monkeypatch):

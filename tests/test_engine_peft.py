@@ -7,6 +7,7 @@ import asyncio
 import pytest
 import torch
 
+from conftest import TEST_KV_FRACTION
 from deployments.config import AppArgs
 from engine.demo import ensure_demo_assets
 from engine.engine import LoRAEngine
@@ -24,8 +25,8 @@ PROMPTS = [[1, *range(40, 52)], [1, *range(70, 79)], [1, 100, 101, 102, 103, 104
 def setup(request, tmp_path_factory):
     assets = ensure_demo_assets(tmp_path_factory.mktemp(request.param), num_adapters=6, arch=request.param)
     # fewer slots than adapters, so later checks run after evictions and reloads
-    engine = LoRAEngine(AppArgs(base_model=str(assets.model_dir), max_loras_per_batch=4,
-                                max_lora_rank=16).engine_config(request.param))
+    engine = LoRAEngine(AppArgs(base_model=str(assets.model_dir), max_loras_per_batch=4, max_lora_rank=16,
+                                kv_cache_memory_fraction=TEST_KV_FRACTION).engine_config(request.param))
     # the reference runs where the engine runs (on a GPU machine, ours - ref must not mix devices)
     ref = AutoModelForCausalLM.from_pretrained(assets.model_dir).to(engine.device).eval()
     names = list(assets.adapters)
@@ -147,8 +148,8 @@ def test_mistral_sliding_window_matches_transformers(tmp_path):
     for f in folder.iterdir():
         if f.name.startswith(("tokenizer", "special", "chat")):
             (tmp_path / "windowed" / f.name).write_bytes(f.read_bytes())
-    engine = LoRAEngine(AppArgs(base_model=str(tmp_path / "windowed"), max_loras_per_batch=2,
-                                max_lora_rank=8).engine_config())
+    engine = LoRAEngine(AppArgs(base_model=str(tmp_path / "windowed"), max_loras_per_batch=2, max_lora_rank=8,
+                                kv_cache_memory_fraction=TEST_KV_FRACTION).engine_config())
     ref = AutoModelForCausalLM.from_pretrained(tmp_path / "windowed").to(engine.device).eval()
     try:
         ids = PROMPTS[0]

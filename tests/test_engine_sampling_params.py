@@ -122,6 +122,19 @@ def test_n_samples_fork_after_one_prefill_and_reproduce_with_a_seed(engine):
     assert engine.cache.allocator.num_used == 0  # every fork gave its blocks back
 
 
+def test_top_k_reaches_the_sampler_of_its_own_row(engine):
+    """In one batch: top_k 1 at temperature 2 is the greedy continuation; its neighbour without top_k samples."""
+    async def both():
+        return await asyncio.gather(*(engine.generate(GenerateRequest(
+            adapter="demo-0", token_ids=PROMPT, max_tokens=8, temperature=2.0, seed=5, top_k=k, ignore_eos=True))
+            for k in (1, 0)))
+
+    greedy = engine.generate_blocking(GenerateRequest(adapter="demo-0", token_ids=PROMPT, max_tokens=8,
+                                                      ignore_eos=True))
+    top1, free = asyncio.run(both())
+    assert top1.token_ids == greedy.token_ids and free.token_ids != greedy.token_ids
+
+
 def test_n_samples_stream_with_their_index_and_free_their_blocks(engine):
     async def collect():
         return [d async for d in engine.generate_stream(
@@ -156,7 +169,7 @@ def test_chat_without_max_tokens_gets_what_the_context_leaves(demo_assets):
     (dict(repetition_penalty=0), "repetition_penalty"), (dict(min_tokens=-1), "min_tokens"),
     (dict(min_tokens=20, max_tokens=10), "min_tokens"), (dict(stop_token_ids=[10 ** 9]), "stop_token_ids"),
     (dict(stop_token_ids="2"), "stop_token_ids"), (dict(ignore_eos="yes"), "ignore_eos"),
-    (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=0), "max_tokens"), (dict(top_k=-1), "top_k"),
     (dict(response_format={"type": "xml"}), "response_format"),
     (dict(response_format={"type": "json_schema", "json_schema": {"schema": {"$ref": "#/nowhere"}}}),
      "response_format"),

@@ -23,7 +23,7 @@ def completion(**fields) -> CompletionRequest:
 
 @pytest.mark.parametrize("name,value", [("audio", {"voice": "x"}), ("tools", [{"type": "function"}]),
                                         ("logit_bias", {"5": 10}), ("best_of", 3), ("suffix", "!"),
-                                        ("top_k", 5), ("tool_choice", "auto")])
+                                        ("min_p", 0.1), ("tool_choice", "auto")])
 def test_unimplemented_or_unknown_parameters_are_refused_by_name(name, value):
     with pytest.raises(UnsupportedParameter) as err:
         to_generate_request(completion(**{name: value}), "demo-1", 16)
@@ -37,7 +37,7 @@ def test_harmless_fields_and_defaults_pass():
 
 @pytest.mark.parametrize("fields", [{"temperature": float("nan")}, {"temperature": float("inf")},
                                     {"temperature": -0.5}, {"temperature": 2.5}, {"top_p": 0}, {"top_p": 1.5},
-                                    {"seed": -1}, {"seed": 2**64}])
+                                    {"seed": -1}, {"seed": 2**64}, {"top_k": -2}, {"top_k": 1.5}])
 def test_sampling_parameters_out_of_range_are_refused(fields):
     with pytest.raises(ValidationError) as err:
         completion(**fields)

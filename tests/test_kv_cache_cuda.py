@@ -68,12 +68,13 @@ def test_flashinfer_matches_the_torch_path(window):
 
 
 def test_engine_generates_in_bf16_on_cuda(demo_assets):
+    from conftest import TEST_KV_FRACTION
     from deployments.config import AppArgs
     from engine.engine import LoRAEngine
     from engine.request import GenerateRequest
 
     engine = LoRAEngine(AppArgs(base_model=str(demo_assets.model_dir), dtype="bfloat16", max_loras_per_batch=3,
-                                max_batch_size=8).engine_config("cuda-check"))
+                                max_batch_size=8, kv_cache_memory_fraction=TEST_KV_FRACTION).engine_config("cuda-check"))
     try:
         assert engine.device.type == "cuda" and engine.cache.k.is_cuda
         names = list(demo_assets.adapters)[:3]

@@ -34,7 +34,7 @@ def make(num_blocks=8, block_size=4, max_batch=16, prefix_caching=True, watermar
 def seq(prompt_len, max_tokens=4, uid=None, prompt=None):
     ids = prompt if prompt is not None else [10 + i % 50 for i in range(prompt_len)]
     request = GenerateRequest(adapter=uid, token_ids=ids, max_tokens=max_tokens)
-    return Sequence(request, uid, ids, IncrementalDetokenizer(TOKENIZER, []), lambda item: None, torch.device("cpu"))
+    return Sequence(request, uid, ids, IncrementalDetokenizer(TOKENIZER, []), lambda item: None)
 
 
 def fake_step(sched, blocks):

@@ -218,6 +218,16 @@ def test_ray_version_matches_image_and_installed_ray():
     assert f"rayproject/ray:{version}-" in dockerfile, "the image's Ray must be rayVersion"
 
 
+def test_the_image_installs_the_gpu_extra_and_one_flashinfer_release():
+    """FlashInfer's precompiled kernels are only valid for their own release: the image pins the package, its cubins
+    and its JIT cache to one version, and installs the gpu extra (the engine attends with torch without it)."""
+    dockerfile = (MANIFESTS / "Dockerfile").read_text(encoding="utf-8")
+    assert '".[gpu]"' in dockerfile
+    assert re.search(r"^ARG FLASHINFER_VERSION=\d+\.\d+\.\d+\S*$", dockerfile, re.M)
+    for package in ("flashinfer-python", "flashinfer-cubin", "flashinfer-jit-cache"):
+        assert f'"{package}==${{FLASHINFER_VERSION}}"' in dockerfile, package
+
+
 # ----------------------------------------------------------------------------- rendering (no drift)
 
 

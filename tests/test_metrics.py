@@ -75,3 +75,9 @@ def test_metrics_after_traffic(fleet, metrics_url):
     assert decisions.get("affinity", 0) > 0 and sum(decisions.values()) >= 40
     assert total(series, "ray_lorafleet_directory_events_total") >= loads
     assert total(series, "ray_lorafleet_directory_replicas") >= 1
+    # each worker replica says what its fast paths serve on: here (CPU, dtype auto) torch for both, as decided
+    fast = {(l["replica"], l["path"]): (l["intended"], l["used"]) for l, v in series["ray_lorafleet_engine_fast_path"]
+            if v == 1}
+    replicas = {l["replica"] for l in workers}
+    assert {path for _, path in fast} == {"attention", "lora_kernels"} and {r for r, _ in fast} == replicas
+    assert all(used == "torch" for _, used in fast.values()), fast
