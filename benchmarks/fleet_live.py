@@ -208,11 +208,7 @@ class Fleet:
 
     def loads(self) -> int:
         """Slot loads over the whole fleet so far: every replica's pool counter, asked through this process's
-        affinity router (it delivers a ``ReplicaTarget``)."""
-        from ray import serve
-
-        from engine.request import ReplicaTarget
-
+        affinity router (it delivers a ``ReplicaTarget``), once every replica has reported."""
         deadline = time.monotonic() + 300
         while len(self._replica_ids()) < self.args.replicas:
             if time.monotonic() > deadline:
@@ -221,7 +217,7 @@ class Fleet:
         return self.emulation_totals()["loads"]
 
     def emulation_totals(self) -> dict:
-        """Every replica's emulation counters summed: slot loads, steps, and the steps' sleeps and host work."""
+        """Every replica's emulation counters summed: slot loads, steps, and the steps' host work."""
         from ray import serve
 
         from engine.request import ReplicaTarget
@@ -230,7 +226,7 @@ class Fleet:
         totals: dict[str, float] = {}
         for rid in self._replica_ids():
             for key, value in handle.emulation_stats.remote(ReplicaTarget(rid)).result().items():
-                if key in ("loads", "steps", "step_s", "copy_s", "step_wall_s", "step_host_s"):
+                if key in ("loads", "steps", "step_host_s"):
                     totals[key] = totals.get(key, 0) + value
         return totals
 

@@ -298,3 +298,28 @@ def test_ensemble_rows_and_split_rankings_summarise_several_replays():
     assert rows["affinity"]["loads"] == "100 | 99 / 101 / 130" and rows["affinity"]["loads_ok"] == "2/3"
     split = ranking_votes(members)
     assert [(r["metric"], r["votes"]) for r in split] == [("loads", "2/3"), ("ttft_p99_ms", "2/3")]
+
+
+def test_the_live_host_costs_delay_arrival_and_lengthen_every_step():
+    """``HostCosts`` as the replay charges them: a request reaches its replica ``dispatch_s`` after the send, and
+    every step takes ``step_host_s`` beyond the device's time (the read and the copy are unchanged)."""
+    from dataclasses import replace
+
+    host, hop = 0.003, 0.02
+    costs = replace(COSTS, step_host_s=host)
+    sim = one_replica(hand_trace([(0.0, 0, 100, 3)], ranks=[8]), slots=1, max_batch=4, costs=costs, dispatch_s=hop)
+    (a,) = sim.requests
+    assert a.t_dispatch == pytest.approx(hop) and a.t_submit == pytest.approx(hop + COSTS.disk_read_s(8))
+    assert a.t_first == pytest.approx(a.t_submit + COSTS.host_copy_s(8) + COSTS.step_s(100) + host)
+    assert a.t_done == pytest.approx(a.t_first + 2 * (D + host))
+
+
+def test_live_host_costs_are_each_variants_step_weighted_host_work_and_median_hop():
+    from benchmarks.sim.fleet_replay import HostCosts, live_host_costs
+
+    rows = [{"variant": "pow2", "steps": 100, "step_host_ms": 2.0, "arrive_s": [0.01, 0.03, None]},
+            {"variant": "pow2", "steps": 300, "step_host_ms": 4.0, "arrive_s": [0.02]},
+            {"variant": "hash", "ttft_s": [0.5]}]  # a run from before the split: nothing to charge
+    got = live_host_costs(rows)
+    assert set(got) == {"pow2"}
+    assert got["pow2"] == HostCosts(step_host_s=pytest.approx(0.0035), dispatch_s=pytest.approx(0.02))
