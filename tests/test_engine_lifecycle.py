@@ -72,7 +72,14 @@ class ForwardGate:
             self._go.wait(120)
 
     def hold(self, timeout_s: float = 30) -> None:
+        self.arm()
+        self.wait_parked(timeout_s)
+
+    def arm(self) -> None:
+        """Park the next forward, without waiting for it (a request submitted after this cannot finish first)."""
         self._armed = True
+
+    def wait_parked(self, timeout_s: float = 30) -> None:
         assert self.parked.wait(timeout_s), "the engine did not reach its next forward"
 
     def release(self) -> None:
@@ -272,10 +279,11 @@ def test_retiring_an_adapter_in_use_waits_for_its_requests_and_refuses_slot_load
         results = []
         request = threading.Thread(target=lambda: results.append(engine.generate_blocking(
             GenerateRequest(adapter="demo-2", prompt="in use", max_tokens=40, ignore_eos=True))))
-        request.start()
-        wait_until(lambda: engine.steps > 0 and engine.stats()["running"] == 1, 60, "the request to be running")
         gate = ForwardGate(engine.model.lm_head)
-        gate.hold()  # the batch stays as it is: demo-2 is in the running batch until release()
+        gate.arm()  # before the request exists: 40 tokens cannot finish before the test looks
+        request.start()
+        gate.wait_parked(60)  # demo-2 is in the running batch, parked in its first forward, until release()
+        assert engine.stats()["running"] == 1, engine.stats()
         retired = []
         retiring = threading.Thread(target=lambda: retired.append(engine.unregister_adapter("demo-2", timeout_s=60)))
         try:
