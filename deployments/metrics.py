@@ -89,14 +89,22 @@ class DirectoryMetrics:
 
 
 class PrefetchMetrics:
-    """Per worker: adapters read ahead because the plan made this replica a new holder."""
+    """Per worker: adapters read ahead because the plan made this replica a new holder, and standby copies
+    (registered adapters no replica holds, read into the host tier of the replica their first request goes to)."""
 
     def __init__(self) -> None:
         self.prefetches = Counter("lorafleet_plan_prefetches_total",
                                   description="Adapters a replica read ahead for the placement plan")
+        self.standby = Counter("lorafleet_standby_stages_total",
+                               description="Registered adapters no replica held, read into this replica's host "
+                                           "tier ahead of their first request")
         self._last = 0
+        self._last_standby = 0
 
-    def update(self, prefetched: int) -> None:
+    def update(self, prefetched: int, standby: int = 0) -> None:
         if prefetched > self._last:
             self.prefetches.inc(prefetched - self._last)
             self._last = prefetched
+        if standby > self._last_standby:
+            self.standby.inc(standby - self._last_standby)
+            self._last_standby = standby

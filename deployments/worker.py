@@ -69,7 +69,8 @@ class LoRAWorker:
         self.registry.on_change = self.adapters.registry_changed
         self.demand = DemandWindow(self.args.demand_window_s)
         self.demand.observe_loads(0, time.monotonic())  # warm-up loads count too
-        self.plan = PlanFollower(self.adapters, directory, lambda: self.args.replicas_follow_plan)
+        self.plan = PlanFollower(self.adapters, directory, lambda: self.args.replicas_follow_plan,
+                                 self.args.host_standby_share)
         self.reports = DirectoryReporter(self.adapters, self.plan, directory, self.demand, self.args.max_batch_size)
         self.warm_start: dict = {}
         self._loads_after_ready: Counter = Counter()  # uid -> slot loads since warm-up ended (benchmarks.elastic)

@@ -14,6 +14,7 @@ from typing import Callable, Optional
 
 from engine.engine import LoRAEngine
 from routing.prefetch import Prefetch, prefetches
+from routing.warm_start import standby_names
 
 from .registry import RegistryFollower
 from .worker_adapters import PIN_RETRY_INTERVAL_S, WorkerAdapters
@@ -22,9 +23,10 @@ log = logging.getLogger("ray.serve")
 
 
 class PlanFollower:
-    def __init__(self, adapters: WorkerAdapters, directory, follow: Callable[[], bool]):
+    def __init__(self, adapters: WorkerAdapters, directory, follow: Callable[[], bool], standby_share: float = 0.0):
         """``follow``: whether this replica keeps and reads ahead what the plan gives it (``replicas_follow_plan``,
-        read at each plan change, so a benchmark can switch it on a running replica)."""
+        read at each plan change, so a benchmark can switch it on a running replica). ``standby_share``: the
+        share of the host tier the standby copies may fill (``AppArgs.host_standby_share``; 0: none)."""
         self.adapters = adapters
         self.engine: LoRAEngine = adapters.engine
         self.registry: RegistryFollower = adapters.registry
@@ -37,6 +39,9 @@ class PlanFollower:
         self._queue: list[Prefetch] = []
         self._prefetching: Optional[asyncio.Task] = None
         self.prefetched = 0              # adapters read ahead for the plan (lorafleet_plan_prefetches_total)
+        self.standby_share = standby_share
+        self.standby_staged = 0          # standby copies read into the host tier (lorafleet_standby_stages_total)
+        self._standby_for: Optional[tuple] = None  # the (names, replicas) the last full standby pass covered
 
     async def warm_start(self, slots: int) -> dict:
         """Load what the directory says this replica should hold before traffic (pins, hot adapters whose
@@ -87,7 +92,8 @@ class PlanFollower:
                 log.warning("lorafleet worker %s: prefetch of %s failed (%r)", self.replica_id, item.name, exc)
 
     async def departures_loop(self) -> None:
-        """Replicas that left the registry's replica list: read what they held that now falls here."""
+        """Replicas that left the registry's replica list: read what they held that now falls here; and keep the
+        standby copies (``stage_standby``) as registrations and the replica set change."""
         known = set(self.registry.replicas)
         while True:
             await asyncio.sleep(PIN_RETRY_INTERVAL_S)
@@ -95,6 +101,43 @@ class PlanFollower:
             if known - now_known:
                 await self._prefetch_departed()
             known = now_known
+            if self.ready:
+                await self.stage_standby()
+
+    async def stage_standby(self) -> int:
+        """Read into the host tier the registered adapters that no replica holds yet and whose rendezvous order
+        starts here (``routing.warm_start.standby_names``): a router sends such an adapter's first request here,
+        which then copies it into a slot instead of reading a file on the request's time to first token.
+
+        Only while the host tier is under ``standby_share`` of its budget (a standby copy never pushes out one
+        that serves traffic) and only where this replica follows the plan. One pass per change of the
+        registered names or the replica set; returns how many it read."""
+        if not self.follow() or self.standby_share <= 0:
+            return 0
+        entries = self.registry.entries
+        key = (frozenset(entries), frozenset(self.registry.replicas))
+        if key == self._standby_for:
+            return 0
+        staged, complete = 0, True
+        for name in standby_names(self.replica_id, self.registry.replicas, entries):
+            entry = self.registry.entries.get(name)
+            if entry is None:
+                continue  # retired meanwhile
+            uid = entry.uid
+            if self.engine.is_resident(uid) or self.engine.host_cached(uid) or uid in self.adapters.loading:
+                continue
+            used, budget = self.engine.host_tier_bytes()
+            if used >= self.standby_share * budget:
+                complete = False  # full for now: the next change of names or replicas tries again
+                break
+            try:
+                await self.adapters.ensure_entry(entry)
+                staged += 1
+            except Exception as exc:  # best effort: a request still loads what it needs
+                log.warning("lorafleet worker %s: standby copy of %s failed (%r)", self.replica_id, name, exc)
+        self._standby_for = key if complete else None
+        self.standby_staged += staged
+        return staged
 
     async def _prefetch_departed(self) -> None:
         """Read the adapters departed replicas held that now fall to this replica into the host tier."""

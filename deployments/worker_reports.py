@@ -101,7 +101,7 @@ class DirectoryReporter:
             if heartbeat_due:
                 last_heartbeat = now
                 self.metrics.update(*self.engine.pool_metrics_sources())
-                self.prefetch_metrics.update(self.plan.prefetched)
+                self.prefetch_metrics.update(self.plan.prefetched, self.plan.standby_staged)
                 self.engine_metrics.update(self.engine.stats())
                 self.demand.observe_loads(self.engine.pool_snapshot().counters.loads, now)
             events, resync = self.events.drain()

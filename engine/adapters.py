@@ -315,5 +315,9 @@ class ReplicaAdapters:
     def host_cached_uids(self) -> list[str]:
         return self.store.host_cache.uids()
 
+    def host_tier_bytes(self) -> tuple[int, int]:
+        cache = self.store.host_cache
+        return cache.stats.bytes_used, cache.budget_bytes
+
     def pinned_uids(self) -> frozenset[str]:
         return frozenset(self.pool.pinned)

@@ -38,6 +38,10 @@ class EngineReadAPI:
     def host_cached_uids(self) -> list[str]:
         return self.adapters.host_cached_uids()
 
+    def host_tier_bytes(self) -> tuple[int, int]:
+        """(bytes the host tier holds, its budget)."""
+        return self.adapters.host_tier_bytes()
+
     def pinned_uids(self) -> frozenset[str]:
         return self.adapters.pinned_uids()
 

@@ -169,3 +169,19 @@ def test_a_new_placement_is_read_ahead_before_its_first_request(fleet):
         assert generate(fleet, "read-ahead").replica_id in holders
     finally:
         fleet.unregister_adapter.remote("read-ahead").result()
+
+
+def test_a_registered_adapter_waits_in_the_host_tier_of_the_replica_its_first_request_goes_to(fleet):
+    """Standby copies: before any request, a new registration is read into the host tier of its rendezvous-first
+    replica (where routers send it while nothing holds it), so that request copies it into a slot instead of
+    reading the file on its way to the first token."""
+    from routing.warm_start import standby_names
+
+    entry = fleet.register_adapter.remote("standby", "demo:demo-8").result()
+    uid = entry["uid"]
+    try:
+        replicas = sorted(live_replicas(2))
+        (first,) = [r for r in replicas if "standby" in standby_names(r, replicas, ["standby"])]
+        wait_until(lambda: uid in real_pool(first)["host_cached"], 60, f"{first} to stage standby ahead of traffic")
+    finally:
+        fleet.unregister_adapter.remote("standby").result()

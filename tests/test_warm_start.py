@@ -57,3 +57,23 @@ def test_a_departed_replicas_adapters_go_to_the_first_survivor_not_holding_them(
     assert "ad-1" in targets[first_free]
     assert "ad-2" in targets[rendezvous_order("ad-2", survivors)[0]]
     assert sum(len(v) for v in targets.values()) == 2
+
+
+def test_standby_names_split_the_registered_adapters_by_their_rendezvous_first_replica():
+    """Each registered adapter is staged on exactly one replica: the one routers send it to while nothing holds
+    or plans it (its rendezvous-first replica, as ``FleetView.order`` ranks it)."""
+    from routing.fleet_view import FleetView
+    from routing.warm_start import standby_names
+
+    replicas = [f"replica-{i}" for i in range(5)]
+    names = [f"adapter-{i}" for i in range(200)]
+    by_replica = {r: standby_names(r, replicas, reversed(names)) for r in replicas}
+    assert sorted(n for got in by_replica.values() for n in got) == sorted(names)  # a partition
+    assert all(got == sorted(got) for got in by_replica.values())
+    assert min(len(got) for got in by_replica.values()) > 0
+    view = FleetView(replicas)
+    for r, got in by_replica.items():
+        assert all(view.replica_ids[view.order(n, 1)[0]] == r for n in got)
+        assert all(rendezvous_order(n, replicas)[0] == r for n in got)
+    assert standby_names("replica-0", [], names[:3]) == names[:3]  # alone: everything comes here
+    assert standby_names("replica-9", replicas, names) == standby_names("replica-9", replicas + ["replica-9"], names)

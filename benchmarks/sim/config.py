@@ -37,6 +37,7 @@ class SimConfig:
     read_threads: Optional[int] = None  # disk reads at once per product worker (its to_thread executor); None: any
     replica_id_seed: Optional[int] = None  # None: replica-0000...; else random ids as Serve draws them (ensembles)
     adapter_names: Optional[str] = None  # format of adapter i's name, e.g. "demo-{}"; None: traces.adapter_uid
+    host_standby_share: float = 0.5  # AppArgs.host_standby_share: plan-following replicas' standby copies at deploy
 
 
 class SimRequest:
@@ -45,7 +46,7 @@ class SimRequest:
 
     __slots__ = ("i", "uid", "arrival", "in_len", "out_len", "rank", "blocked_steps", "attempt", "replica",
                  "t_dispatch", "t_submit", "t_admit", "t_first", "t_done", "loaded", "load_s", "disk",
-                 "mux_start", "mux_tried_first", "mux_tried_fewest", "waiting", "num_computed", "generated")
+                 "mux_start", "mux_tried_first", "mux_tried_fewest", "waiting", "num_computed", "generated", "kind")
 
     def __init__(self, i: int, uid: str, arrival: float, in_len: int, out_len: int, rank: int):
         self.i, self.uid, self.arrival, self.in_len, self.out_len, self.rank = i, uid, arrival, in_len, out_len, rank
@@ -60,6 +61,7 @@ class SimRequest:
         self.mux_start: Optional[float] = None
         self.mux_tried_first = self.mux_tried_fewest = False
         self.waiting = False  # in the fleet's queue of requests waiting for capacity
+        self.kind = ""  # the routing decision that placed it (affinity, spill, placement, ...; routers that say)
 
     @property
     def num_tokens(self) -> int:

@@ -122,7 +122,12 @@ def _q(values: list[float], p: float) -> float:
 def _row(variant: str, seg: Segment, reqs: list[SimRequest], t0: float) -> dict:
     ttft = [r.t_first - r.arrival for r in reqs]
     e2e = [r.t_done - r.arrival for r in reqs]
+    by_kind: dict[str, int] = {}
+    for r in reqs:
+        if r.loaded and r.kind:
+            by_kind[r.kind] = by_kind.get(r.kind, 0) + 1
     return {"variant": variant, "segment": seg.name, "loads": sum(1 for r in reqs if r.loaded),
+            "loads_by_kind": by_kind,
             "disk_reads": sum(1 for r in reqs if r.disk),
             "ttft_p50_ms": 1000 * _q(ttft, 50), "ttft_p99_ms": 1000 * _q(ttft, 99),
             "e2e_p50_ms": 1000 * _q(e2e, 50), "e2e_p99_ms": 1000 * _q(e2e, 99),

@@ -153,6 +153,7 @@ class AffinityRouter(_ViewRouter):
         if sim.ongoing[i] + 1 >= self.caps[i]:  # this dispatch fills it (the one router sees every send)
             local.saw_full(ids[i])
         self._count(decision.kind)
+        req.kind = decision.kind
         self.view.record_decision(req.uid, ids[i])
         local.routed(str(req.i), ids[i], req.uid, req.in_len,
                      self.view.prefill_s_per_token(ids[i]) or self.config.prefill_s_per_token)

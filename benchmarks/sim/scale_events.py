@@ -28,7 +28,7 @@ from typing import Optional
 
 from routing.directory import AdapterDirectory
 from routing.plan import planned_on
-from routing.warm_start import AdapterPlacement, WarmStartPlan, rehome_targets, warm_start_plan
+from routing.warm_start import AdapterPlacement, WarmStartPlan, rehome_targets, standby_names, warm_start_plan
 
 from .fleet import SimReplica, Simulator
 
@@ -141,7 +141,26 @@ def warm_start_at_deploy(sim: Simulator, order: Optional[Sequence[int]] = None) 
             up.append(replica)
         plans.append(plan)
     sim.followed_plan(d.plan.version)
+    if sim.config.host_standby_share > 0 and sim.router.follows_plan:
+        rids = [sim.replicas[i].rid for i in sim.routable]
+        for replica in up:
+            stage_standby(replica, rids, sim.feed.registered, sim.config.host_standby_share)
     return plans
+
+
+def stage_standby(replica: SimReplica, replica_ids: Sequence[str], registered: Sequence[str], share: float) -> int:
+    """As ``PlanFollower.stage_standby`` once the fleet is up: the registered adapters whose rendezvous order
+    starts at ``replica`` go into its host tier while it is under ``share`` of its budget (before traffic: the
+    live workers read theirs during the deploy, seconds before the replay's first request)."""
+    staged = 0
+    for uid in standby_names(replica.rid, replica_ids, registered):
+        if replica.pool.is_resident(uid) or uid in replica.host.entries:
+            continue
+        if replica.host.used >= share * replica.host.budget:
+            break
+        replica.warm(uid, into_slot=False)
+        staged += 1
+    return staged
 
 
 def _slotted(directory: AdapterDirectory, replica_id: str) -> list[str]:
