@@ -167,8 +167,8 @@ def main(argv=None) -> list[dict]:
     finally:
         serve.shutdown()
         ray.shutdown()
-    columns = ["variant", "routers", "concurrency", "requests", "loads", "loads_per_1k", "p99_ms", "req_per_s",
-               "errors"]
+    columns = ["variant", "routers", "concurrency", "requests", "loads", "loads_per_1k", "p50_ms", "p99_ms",
+               "router_p50_ms", "req_per_s", "errors"]
     print()
     common.print_table(rows, columns, floatfmt=".1f", title="Demo fleet, adapter loads per level (warm-up excluded)")
     print()

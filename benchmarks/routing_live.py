@@ -225,6 +225,9 @@ def run_clients(clients: list, requests: list, concurrency: int, stream: bool = 
             "ttfts": [x for r in results for x in r["ttfts"]],
             "replicas": [x for r in results for x in r["replicas"]],
             "errors": [x for r in results for x in r["errors"]],
+            # each router's own median: with several routers, whether one's requests wait while another's run
+            "router_p50_ms": [round(1000.0 * float(np.median(r["latencies"])), 1) if r["latencies"] else None
+                              for r in results],
             "wall_s": max(r["wall_s"] for r in results), "cpu_s": sum(r["cpu_s"] for r in results)}
 
 
@@ -252,6 +255,7 @@ def measure_row(variant: Variant, meter, setting: Setting, cost: str, concurrenc
         "p50_ms": 1000.0 * float(np.percentile(ok, 50)) if len(ok) else math.nan,
         "p99_ms": 1000.0 * float(np.percentile(ok, 99)) if len(ok) else math.nan,
         "req_per_s": n / result["wall_s"],
+        "router_p50_ms": "/".join(str(x) for x in result["router_p50_ms"]),
         "router_cpu_ms": per_request(result["cpu_s"]),
         "directory_cpu_ms": per_request(cpu.get(f"{variant.app}/AdapterDirectory", 0.0)),
         "metrics_agent_cpu_ms": per_request(cpu.get("metrics_agent", 0.0)),
@@ -469,7 +473,7 @@ def main(argv=None) -> list[dict]:
                              VARIANTS.index(r["variant"])))
     columns = ["setting", "cost", "routers", "variant", "concurrency", "requests", "loads_per_1k", "p50_ms", "p99_ms",
                "req_per_s", "router_cpu_ms", "directory_cpu_ms", "metrics_agent_cpu_ms", "workers_cpu_ms",
-               "per_replica", "spill", "waits", "errors"]
+               "per_replica", "spill", "waits", "router_p50_ms", "errors"]
     print()
     common.print_table(rows, columns, floatfmt=".1f",
                        title=f"Live routing ({args.replicas} replicas x {args.slots} slots, warm-up excluded; "
