@@ -175,9 +175,9 @@ class AppArgs(BaseModel):
     """a replica reads what the placement plan newly puts on it into its host tier (and a free slot) before
     traffic reaches it, and evicts the plan's adapters last"""
     host_standby_share: float = Field(default=0.5, ge=0, le=1)
-    """share of the host tier that may hold standby copies: each registered adapter no replica holds, on the
-    replica its first request goes to (rendezvous-first), so that request copies it into a slot instead of
-    reading the file (0: none; only with `replicas_follow_plan`)"""
+    """share of the host tier that may hold standby copies: every registered adapter waits in the host tier of
+    its rendezvous-first replica, where a request goes while no replica holds it and the plan places it nowhere,
+    so that request copies it into a slot instead of reading the file (0: none; only with `replicas_follow_plan`)"""
     demand_window_s: float = Field(default=60.0, gt=0)
     """the window of requested adapters (and loads/s) the autoscaling policy counts as the working set"""
 

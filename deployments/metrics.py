@@ -90,14 +90,15 @@ class DirectoryMetrics:
 
 class PrefetchMetrics:
     """Per worker: adapters read ahead because the plan made this replica a new holder, and standby copies
-    (registered adapters no replica holds, read into the host tier of the replica their first request goes to)."""
+    (registered adapters read into the host tier of their rendezvous-first replica, where a request for one goes
+    while nothing holds or plans it)."""
 
     def __init__(self) -> None:
         self.prefetches = Counter("lorafleet_plan_prefetches_total",
                                   description="Adapters a replica read ahead for the placement plan")
         self.standby = Counter("lorafleet_standby_stages_total",
-                               description="Registered adapters no replica held, read into this replica's host "
-                                           "tier ahead of their first request")
+                               description="Registered adapters read into this replica's host tier ahead of "
+                                           "a request (it is their rendezvous-first replica)")
         self._last = 0
         self._last_standby = 0
 

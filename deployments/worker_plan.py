@@ -105,9 +105,10 @@ class PlanFollower:
                 await self.stage_standby()
 
     async def stage_standby(self) -> int:
-        """Read into the host tier the registered adapters that no replica holds yet and whose rendezvous order
-        starts here (``routing.warm_start.standby_names``): a router sends such an adapter's first request here,
-        which then copies it into a slot instead of reading a file on the request's time to first token.
+        """Read into the host tier the registered adapters whose rendezvous order starts here
+        (``routing.warm_start.standby_names``): while no replica holds one and the plan places it nowhere, a router
+        sends its requests here, which then copy it into a slot instead of reading a file on their time to first
+        token.
 
         Only while the host tier is under ``standby_share`` of its budget (a standby copy never pushes out one
         that serves traffic) and only where this replica follows the plan. One pass per change of the
