@@ -24,7 +24,7 @@ Leaving the plan (a spill) happens when the best planned replica's prefill queue
 another replica's by more than a load's cost there and ``spill_margin`` row waits, or when every
 planned replica is full and the wait for a planned row exceeds the whole cost of a load
 elsewhere by ``spill_margin`` rows' waits (T / cap): the load's own time, the running batch it
-stalls there (load time x requests running), and the victim's reloads (which stall that batch
+stalls there (the host-to-slot copy x requests running: a disk read is off the step), and the victim's reloads (which stall that batch
 again and evict in turn). A spill target must
 have a row that its own planned adapters' waiting requests will not take, so at saturation
 nothing spills. Spills are served requests like any other: the demand they add is what makes

@@ -62,7 +62,9 @@ class Scoring:
         else:
             load_s = _load_s(view, i, i in self.warm, cfg)
             e += load_s
-            load_cost = load_s * (1 + q)  # the running batch waits while the slot fills
+            # the request waits for the whole load; the running batch only for the host-to-slot copy at a step
+            # boundary (a disk read happens off the engine thread, before the copy)
+            load_cost = load_s + _load_s(view, i, True, cfg) * q
             if view.free[i] > 0:
                 self.cost_class[i] = 1
             else:

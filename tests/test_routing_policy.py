@@ -319,3 +319,19 @@ def test_the_choice_is_a_valid_index_and_a_decision_scores_only_the_planned_set(
     decision = choose_replicas("a", FleetView(ids, holders={"a": {n - 1}}), loads, caps=[8] * n)
     assert decision.tiers and all(0 <= i < n for t in decision.tiers for i in t)
     assert set(decision.ect) == {n - 1}  # the holder is the (fallback) plan, however large the fleet
+
+
+def test_a_loads_cost_to_the_running_batch_is_its_copy_not_its_disk_read():
+    """The requester waits for the whole load; the co-running batch waits only for the host-to-slot copy at a
+    step boundary (the worker reads the file off the engine thread first). A cold replica with five running
+    requests: the load costs the read plus five copies' stall, not six reads."""
+    from routing.scoring import Scoring
+
+    settings = RoutingSettings()
+    loads = [5.0] * len(IDS)
+    ctx = Scoring("a", view(host_s=0.01, disk_s=0.5, warm={"a": {1}}), loads, settings, CAPS, None, None, None,
+                  None, settings.batch_slowdown, None)
+    ctx.score(0)  # cold: a disk read, then the copy
+    ctx.score(1)  # in its host tier: the copy alone
+    assert ctx.load_cost[0] == pytest.approx(0.5 + 0.01 * 5)
+    assert ctx.load_cost[1] == pytest.approx(0.01 + 0.01 * 5)
