@@ -80,11 +80,30 @@ def add_replica(sim: Simulator, warm: bool, joins: list[Join]) -> SimReplica:
             replica.host.fetch(uid, costs.adapter_bytes(rank))
             seconds += costs.load_seconds(rank, from_host=False)
     joins.append(Join(replica.idx, sim.now, sim.now + seconds, len(slots), len(host)))
+    joined = sim.now + seconds
     if seconds > 0:
-        sim.at(sim.now + seconds, lambda: sim.set_routable([*sim.routable, replica.idx]))
+        sim.at(joined, lambda: sim.set_routable([*sim.routable, replica.idx]))
     else:
         sim.set_routable([*sim.routable, replica.idx])
+    if warm and sim.config.host_standby_share > 0 and sim.router.follows_plan and sim.feed is not None:
+        _stage_standby_after_join(sim, replica, joined)
     return replica
+
+
+def _stage_standby_after_join(sim: Simulator, replica: SimReplica, joined: float) -> None:
+    """As the live worker once up (``PlanFollower.stage_standby``, its next pass after the replica set changed,
+    ~1 s): the joiner's standby copies, read one after another in the background from then on."""
+    costs, share = sim.config.costs, sim.config.host_standby_share
+    rids = sorted({sim.replicas[i].rid for i in sim.routable} | {replica.rid})
+    t = joined + 1.0
+    for uid in standby_names(replica.rid, rids, sim.feed.registered):
+        t += costs.disk_read_s(sim.ranks[uid])
+
+        def stage(uid: str = uid) -> None:
+            if not replica.pool.is_resident(uid) and uid not in replica.host.entries \
+                    and replica.host.used < share * replica.host.budget:
+                replica.warm(uid, into_slot=False)
+        sim.at(t, stage)
 
 
 def warm_start_at_deploy(sim: Simulator, order: Optional[Sequence[int]] = None) -> list[WarmStartPlan]:
