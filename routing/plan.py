@@ -30,8 +30,12 @@ directory (one writer, read by every router) keeps a plan, and routers route wit
   deserve slots is ranked by the long-window demand too. Budget per replica: its slots, minus one
   when the planned copies do not all fit (that slot serves what the plan could not place:
   without it every such request would evict a planned adapter, which then reloads). An
-  adapter that finds no budget is still planned, on the least loaded replica (it will load
-  there on demand, into the spare slot).
+  adapter that finds no budget is still planned (it will load there on demand, into the spare
+  slot): where it was, else on the first replica of its rendezvous order it does not overload,
+  which is where its standby copy waits in the host tier (``routing.warm_start.standby_names``),
+  so its first load is a copy, and such placements spread evenly without moving. (They all went
+  to the one least loaded replica before: a zero-need placement adds no load, so that replica
+  stayed the least loaded, and cold adapters' long prompts queued behind each other there.)
 
 The plan also names the replicas its placements keep busy (planned load at least
 ``busy_above`` of their rows): a request never spills onto one, since its free row is only
@@ -48,6 +52,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Optional, Sequence
 
+import numpy as np
+
+from .hashing import rendezvous_scores, stable_hash
 from .settings import DEFAULT_SETTINGS, RoutingSettings
 
 
@@ -208,6 +215,7 @@ class FleetPlanner:
         heapq.heapify(heap)
         heapq.heapify(anywhere)
         no_limit = [1] * n
+        hashes = np.array([stable_hash(r.replica_id) for r in replicas], dtype=np.uint64)
         # overloaded: well above the mean of the long-window need (the short window's noise made replicas look
         # overloaded by turns: offline, Zipf demand over 16 replicas moved ~4 placements a second)
         mean = sum(worth.get(a, 0.0) for a in counts) / n
@@ -283,9 +291,14 @@ class FleetPlanner:
                 if target is None:
                     break
                 take(name, target)
-            if not picked:  # no budget anywhere: loaded on demand where it was planned, else the least loaded
+            if not picked:  # no budget anywhere: loaded on demand where it was planned, else its rendezvous-first
+                # replica that it does not overload (where its standby copy waits); one that adds no load never moves
                 kept = [i for i in prev if i not in shedding]
-                take(name, min(kept or _least_loaded(anywhere, steady, no_limit, 2), key=cost), budgeted=False)
+                target = min(kept, key=cost) if kept else _first_fitting(
+                    name, hashes, lambda i: steady[i] + steady_share[name] <= overloaded)
+                if target is None:
+                    target = min(_least_loaded(anywhere, steady, no_limit, 2), key=cost)
+                take(name, target, budgeted=False)
         for i, r in enumerate(replicas):
             if steady[i] > overloaded:
                 self._over_since.setdefault(r.replica_id, now)
@@ -308,6 +321,15 @@ def _move_cost(name: str, i: int, previous: set, replicas: Sequence[ReplicaSlots
     if name in r.warm:
         return 0.5 * margin
     return margin
+
+
+def _first_fitting(name: str, hashes: np.ndarray, fits) -> Optional[int]:
+    """The first replica in ``name``'s rendezvous order (``hashes``: the replicas' ids hashed, in plan order)
+    for which ``fits(i)``, or None."""
+    for i in np.argsort(rendezvous_scores(stable_hash(name), hashes), kind="stable")[::-1].tolist():
+        if fits(i):
+            return i
+    return None
 
 
 def _least_loaded(heap: list, load: Sequence[float], budget: Sequence[int], m: int) -> list[int]:

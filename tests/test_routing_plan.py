@@ -105,6 +105,29 @@ def test_copies_that_do_not_fit_keep_a_spare_slot_per_replica():
     assert set(plan.holders) == set(demand)  # the rest are planned too, without budget (load on demand)
 
 
+def test_placements_without_budget_go_to_their_standby_replica_not_all_to_one():
+    """48 registered adapters on 4 x 4 slots: the 36 beyond the budget (4 x 3: one slot each is spare) are
+    each planned on the first replica of their rendezvous order, where its standby copy waits
+    (``routing.warm_start.standby_names``). Before, every one went to the same least-loaded replica: with their
+    first requests all there, long prompts for cold adapters queued behind each other on one replica (fleet_live,
+    gamma@0.4) while the others had rows."""
+    from routing.warm_start import standby_names
+
+    names = [f"a{k:02d}" for k in range(48)]
+    reps = replicas(n=4, slots=4)
+    ids = [r.replica_id for r in reps]
+    plan = FleetPlanner().update(0.0, {}, reps, registered=names)
+    slotted = {a for kept in plan.slotted.values() for a in kept}
+    on_demand = [a for a in names if a not in slotted]
+    assert len(slotted) == 4 * 3 and len(on_demand) == 36
+    for a in on_demand:
+        (holder,) = plan.holders[a]
+        assert a in standby_names(holder, ids, names)
+    assert len({plan.holders[a] for a in on_demand}) == 4  # spread over the fleet
+    again = FleetPlanner().update(0.0, {}, list(reversed(reps)), registered=list(reversed(names)))
+    assert again.holders == plan.holders
+
+
 def test_the_plan_does_not_depend_on_input_order():
     demand = {f"a{i}": float(i % 5) + 0.1 for i in range(20)}
     reps = replicas(n=5, slots=3)
