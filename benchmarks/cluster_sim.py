@@ -321,12 +321,14 @@ def routing_live_check(path: str, live: dict) -> tuple[list[dict], int, int]:
 
 def fleet_live_check(path: str, live: dict) -> tuple[list[dict], int, int]:
     """Replay a fleet_live run (``benchmarks.sim.fleet_replay``): (agreement rows, pairs alike, pairs ranked)."""
-    from .sim.fleet_replay import agreement_with_live, live_starts, live_host_costs, replay_fleet_live
+    from .sim.fleet_replay import (agreement_with_live, live_host_costs, live_replica_ids, live_starts,
+                                   replay_fleet_live)
 
     live_rows = live["rows"]
     variants = sorted({r["variant"] for r in live_rows})
     sim_rows = replay_fleet_live(live["metadata"]["settings"], variants, starts=live_starts(live_rows),
-                                host_costs=live_host_costs(live_rows))
+                                host_costs=live_host_costs(live_rows),
+                                replica_ids=live_replica_ids(live_rows, live["metadata"]["settings"]["replicas"]))
     agreement = agreement_with_live(live_rows, sim_rows)
     print()
     common.print_table(agreement["rows"], floatfmt=".0f",

@@ -468,11 +468,13 @@ def main(argv=None) -> list[dict]:
     if not args.no_sim:
         import os
 
-        from .sim.fleet_replay import agreement_with_live, live_starts, live_host_costs, replay_fleet_live
+        from .sim.fleet_replay import (agreement_with_live, live_host_costs, live_replica_ids, live_starts,
+                                       replay_fleet_live)
 
         # the segments at the offsets they had here, on this machine's CPU count (the workers' read threads)
         sim_rows = replay_fleet_live(_settings(args, segments, costs), args.variants, starts=live_starts(rows),
-                                     cpu_count=os.cpu_count(), host_costs=live_host_costs(rows))
+                                     cpu_count=os.cpu_count(), host_costs=live_host_costs(rows),
+                                     replica_ids=live_replica_ids(rows, args.replicas))
         agreement = agreement_with_live(rows, sim_rows)
     columns = ["segment", "variant", "loads", "first_requests", "ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms", "req_per_s",
                "errors", "client_cpu_ms", "fleet_cpu_share", "machine_cpu_share"]

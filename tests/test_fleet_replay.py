@@ -18,7 +18,7 @@ from benchmarks import cluster_sim, fleet_live
 from benchmarks.sim import SimConfig, Simulator
 from benchmarks.sim.costs import CostModel
 from benchmarks.sim.fleet_agreement import agreement_with_live
-from benchmarks.sim.fleet_replay import replay_fleet_live, replay_variant
+from benchmarks.sim.fleet_replay import live_replica_ids, replay_fleet_live, replay_variant
 from benchmarks.traces import Popularity, Trace
 
 COSTS = CostModel()
@@ -175,6 +175,21 @@ def test_replay_runs_every_variant_segment_by_segment_deterministically():
     assert warm["segment"] == "warmup" and measured["start_s"] == pytest.approx(warm["end_s"] + 0.5)
     late = replay_variant(settings, "affinity", starts={"gamma@0.5": warm["end_s"] + 100.0})[1]
     assert late["start_s"] == pytest.approx(warm["end_s"] + 100.5)
+
+
+def test_a_replay_runs_on_the_live_runs_replica_ids():
+    """Hashing routers, the plan's ties and the standby copies order replicas by a hash of their ids: a replay on
+    the live run's ids (its rows name them) routes ``hash`` exactly as the live router did; on other ids, elsewhere."""
+    settings = tiny_settings()
+    ids = ("ks96whxa", "nd2gm6c9")
+    rows = replay_fleet_live(settings, ["hash"], replica_ids=ids)
+    assert live_replica_ids(rows, 2) == ids and set(rows[0]["replica_of"]) <= set(ids)
+    assert live_replica_ids(rows, 3) is None  # a replica that served nothing: the ids are not all known
+    assert rows == replay_fleet_live(settings, ["hash"], replica_ids=ids[::-1])  # the order given does not matter
+    renamed = replay_fleet_live(settings, ["hash"], replica_ids=("aaaaaaaa", "zzzzzzzz"))
+    assert [r["replica_of"] for r in renamed] != [r["replica_of"] for r in rows]
+    with pytest.raises(ValueError, match="1 replica ids for 2 replicas"):
+        replay_fleet_live(settings, ["hash"], replica_ids=ids[:1])
 
 
 def test_cluster_sim_takes_a_fleet_live_json(tmp_path, capsys):

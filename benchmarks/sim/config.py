@@ -36,6 +36,7 @@ class SimConfig:
     dispatch_s: float = 0.0         # the router's send -> the replica has it (Serve's handle call)
     read_threads: Optional[int] = None  # disk reads at once per product worker (its to_thread executor); None: any
     replica_id_seed: Optional[int] = None  # None: replica-0000...; else random ids as Serve draws them (ensembles)
+    replica_ids: Optional[tuple[str, ...]] = None  # the live run's replica ids (fleet_replay); overrides the above
     adapter_names: Optional[str] = None  # format of adapter i's name, e.g. "demo-{}"; None: traces.adapter_uid
     host_standby_share: float = 0.5  # AppArgs.host_standby_share: plan-following replicas' standby copies at deploy
 

@@ -81,7 +81,7 @@ SERVE_ID_ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"  # ray._common.utils.
 def replica_ids(n: int, seed: Optional[int] = None) -> tuple[str, ...]:
     """``n`` replica ids, sorted. ``seed``: random 8-character ids as Serve draws them
     (``deployment_state``: ``ReplicaID(get_random_string())``), since hashing routers and the plan's ties
-    depend on the ids and a live run's are not recorded; None: ``replica-0000``, ``replica-0001``, ..."""
+    depend on the ids (a replay of a live run uses its ids, ``SimConfig.replica_ids``); None: ``replica-0000``, ``replica-0001``, ..."""
     if seed is None:
         return tuple(f"replica-{i:04d}" for i in range(n))
     rng = np.random.default_rng(seed)
@@ -95,7 +95,10 @@ class Simulator:
             raise ValueError(f"unknown router {config.router!r}; choose one of {sorted(ROUTERS)}")
         self.trace, self.config = trace, config
         self.now = 0.0
-        self.ids = replica_ids(config.replicas, config.replica_id_seed)  # sorted, as the Serve router sorts
+        self.ids = (tuple(sorted(config.replica_ids)) if config.replica_ids is not None  # sorted, as Serve's router
+                    else replica_ids(config.replicas, config.replica_id_seed))
+        if len(self.ids) != config.replicas:
+            raise ValueError(f"{len(self.ids)} replica ids for {config.replicas} replicas")
         self.max_ongoing = config.max_batch
         self.ongoing = np.zeros(config.replicas, dtype=np.float64)
         self.router = ROUTERS[config.router](self)

@@ -152,7 +152,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     import json
 
     from .. import common
-    from .fleet_replay import live_starts, live_host_costs, replay_fleet_live
+    from .fleet_replay import live_host_costs, live_replica_ids, live_starts, replay_fleet_live
 
     parser = argparse.ArgumentParser(description=main.__doc__.split("\n\n")[0])
     parser.add_argument("--live-json", required=True, help="a fleet_live --json run")
@@ -160,17 +160,18 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     parser.add_argument("--quantiles", action="store_true", help="also print TTFT quantiles, live/sim, per cell")
     parser.add_argument("--json", metavar="PATH", help="write the simulated rows and the agreement here")
     parser.add_argument("--ensemble", type=int, default=0, metavar="N",
-                        help="also N replays with each arrival up to --jitter-ms late, other router draws and other "
-                             "random replica ids (Serve's; a live run's are not recorded): how far each cell "
-                             "moves under what the live run does not fix (it is one such draw)")
+                        help="also N replays with each arrival up to --jitter-ms late and other router draws (on the "
+                             "live run's replica ids when its rows name them all, else on random ones): how far each "
+                             "cell moves under what the live run does not fix (it is one such draw)")
     parser.add_argument("--jitter-ms", type=float, default=10.0, help="the ensemble's send jitter (default 10)")
     args = parser.parse_args(argv)
     live = json.loads(open(args.live_json).read())
     live_rows = [r for r in live["rows"] if not args.variants or r["variant"] in args.variants]
     variants = args.variants or sorted({r["variant"] for r in live_rows})
     cpus = (live["metadata"].get("machine") or {}).get("cpu_count")
+    ids = live_replica_ids(live["rows"], live["metadata"]["settings"]["replicas"])
     sim_rows = replay_fleet_live(live["metadata"]["settings"], variants, starts=live_starts(live_rows), cpu_count=cpus,
-                                 host_costs=live_host_costs(live_rows))
+                                 host_costs=live_host_costs(live_rows), replica_ids=ids)
     agreement = agreement_with_live(live_rows, sim_rows)
     common.print_table(agreement["rows"], floatfmt=".0f",
                        title=f"fleet_live replayed ({args.live_json}): live vs sim loads and TTFT ms, within 10% / 25%")
@@ -183,10 +184,11 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     if args.ensemble > 0:
         members = [agreement_with_live(live_rows, replay_fleet_live(
             live["metadata"]["settings"], variants, starts=live_starts(live_rows), jitter_s=args.jitter_ms / 1000,
-            seed=1 + k, cpu_count=cpus, host_costs=live_host_costs(live_rows))) for k in range(args.ensemble)]
+            seed=1 + k, cpu_count=cpus, host_costs=live_host_costs(live_rows), replica_ids=ids))
+            for k in range(args.ensemble)]
         print()
         common.print_table(ensemble_rows(members), title=f"{args.ensemble} replays, arrivals up to {args.jitter_ms:g} ms "
-                           "late, random replica ids: live | the replays' min / median / max; ok: replays within "
+                           "late, other router draws: live | the replays' min / median / max; ok: replays within "
                            "tolerance")
         shaky = ranking_votes(members)
         if shaky:

@@ -48,7 +48,8 @@ from .fleet import Simulator
 from .fleet_agreement import agreement_with_live
 from .scale_events import warm_start_at_deploy
 
-__all__ = ["agreement_with_live", "live_starts", "HostCosts", "live_host_costs", "replay_fleet_live", "replay_variant"]
+__all__ = ["agreement_with_live", "live_starts", "HostCosts", "live_host_costs", "live_replica_ids", "replay_fleet_live",
+           "replay_variant"]
 
 VARIANT_ROUTER = {"affinity": "affinity", "multiplexed": "multiplex", "pow2": "pow2", "hash": "hash"}
 LIVE_LAG_S = {"affinity": 0.02, "multiplexed": 0.1}  # pool change -> the router's view (see the docstring)
@@ -115,11 +116,21 @@ def live_host_costs(live_rows: Sequence[Mapping]) -> dict[str, HostCosts]:
             for v in steps}
 
 
+def live_replica_ids(live_rows: Sequence[Mapping], replicas: int) -> Optional[tuple[str, ...]]:
+    """The live run's replica ids (sorted), from its rows' ``replica_of``, when every one of the ``replicas``
+    served a request there; else None. Hashing routers, the plan's ties and the standby copies all order replicas
+    by a hash of their ids, so a replay on other ids places adapters elsewhere (``hash``'s loads moved 10-15 %
+    between two live runs, that is between two draws of ids)."""
+    ids = {rid for r in live_rows for rid in (r.get("replica_of") or ()) if rid}
+    return tuple(sorted(ids)) if len(ids) == replicas else None
+
+
 def _q(values: list[float], p: float) -> float:
     return float(np.percentile(values, p)) if values else math.nan
 
 
-def _row(variant: str, seg: Segment, reqs: list[SimRequest], t0: float) -> dict:
+def _row(variant: str, seg: Segment, reqs: list[SimRequest], t0: float, ids: Sequence[str]) -> dict:
+    """``ids``: replica index -> its id (``replica_of`` names replicas by id, as ``fleet_live``'s rows do)."""
     ttft = [r.t_first - r.arrival for r in reqs]
     e2e = [r.t_done - r.arrival for r in reqs]
     by_kind: dict[str, int] = {}
@@ -136,7 +147,7 @@ def _row(variant: str, seg: Segment, reqs: list[SimRequest], t0: float) -> dict:
             # fleet_live's split of each TTFT: to the replica, to the adapter ready there
             "arrive_s": [round(r.t_dispatch - r.arrival, 4) for r in reqs],
             "ready_s": [round(r.t_submit - r.arrival, 4) for r in reqs],
-            "replica_of": [r.replica for r in reqs]}
+            "replica_of": [ids[r.replica] if r.replica >= 0 else None for r in reqs]}
 
 
 def jittered(trace: Trace, jitter_s: float, rng: np.random.Generator) -> Trace:
@@ -156,11 +167,12 @@ def read_threads(cpu_count: Optional[int]) -> Optional[int]:
 
 def replay_variant(settings: Mapping, variant: str, starts: Optional[Mapping[str, float]] = None,
                    jitter_s: float = 0.0, seed: Optional[int] = None, cpu_count: Optional[int] = None,
-                   host_costs: HostCosts = HostCosts()) -> list[dict]:
+                   host_costs: HostCosts = HostCosts(), replica_ids: Optional[Sequence[str]] = None) -> list[dict]:
     """One variant's segments on one simulated fleet; a row per segment, the warm-up's included.
-    ``jitter_s`` and ``seed`` (the routers' draws, the jitter's and Serve's random replica ids; default the run's
+    ``jitter_s`` and ``seed`` (the routers' draws, the jitter's and, without ``replica_ids``, Serve-like random replica ids; default the run's
     seed and ids replica-0000...): see ``jittered``. ``cpu_count``: the live machine's (``read_threads``).
-    ``host_costs``: what the live replicas paid beyond the emulated device (``live_host_costs``)."""
+    ``host_costs``: what the live replicas paid beyond the emulated device (``live_host_costs``). ``replica_ids``:
+    the live run's (``live_replica_ids``); None: ``replica-0000...``, or Serve-like random ids for other seeds."""
     if variant not in VARIANT_ROUTER:
         raise ValueError(f"unknown variant {variant!r}; choose one of {sorted(VARIANT_ROUTER)}")
     args, costs = _args(settings), costs_of(settings)
@@ -180,7 +192,8 @@ def replay_variant(settings: Mapping, variant: str, starts: Optional[Mapping[str
                        read_threads=read_threads(cpu_count),
                        prior_load_s=(LIVE_PRIORS.host_load_s, LIVE_PRIORS.disk_load_s),
                        prior_request_s=LIVE_PRIORS.default_request_s,
-                       replica_id_seed=None if jitter_s <= 0 and seed == int(args.seed) else seed)
+                       replica_id_seed=None if jitter_s <= 0 and seed == int(args.seed) else seed,
+                       replica_ids=tuple(replica_ids) if replica_ids is not None else None)
     sim = Simulator(first, config)
     if variant in WARM_STARTED:
         warm_start_at_deploy(sim)
@@ -189,7 +202,7 @@ def replay_variant(settings: Mapping, variant: str, starts: Optional[Mapping[str
         live_t0 = (starts or {}).get(seg.name, 0.0 if not seg.measured and starts else None)
         t0 = end + SEGMENT_GAP_S if live_t0 is None else max(live_t0 + SEGMENT_GAP_S, end)
         reqs = sim.serve(trace, t0)
-        rows.append({**_row(variant, seg, reqs, t0), "measured": seg.measured})
+        rows.append({**_row(variant, seg, reqs, t0, [r.rid for r in sim.replicas]), "measured": seg.measured})
         end = sim.now
     return rows
 
@@ -198,16 +211,18 @@ def replay_fleet_live(settings: dict, variants: list[str],
                       starts: Optional[Mapping[str, Mapping[str, float]]] = None,
                       jitter_s: float = 0.0, seed: Optional[int] = None,
                       cpu_count: Optional[int] = None,
-                      host_costs: Optional[Mapping[str, HostCosts]] = None) -> list[dict]:
+                      host_costs: Optional[Mapping[str, HostCosts]] = None,
+                      replica_ids: Optional[Sequence[str]] = None) -> list[dict]:
     """Every variant's measured segments, simulated: rows ``{variant, segment, loads, ttft_p50_ms,
     ttft_p99_ms, e2e_p50_ms, e2e_p99_ms, ...}`` as ``fleet_live`` reports them. ``starts``: variant ->
     segment -> live ``start_s`` (``live_starts``); without it, segments run back to back. ``jitter_s``,
     ``seed``, ``cpu_count``: as ``replay_variant`` (jitter and seed for ensembles; the defaults replay the run
     as it was sent; pass the live machine's CPU count: it bounds the workers' concurrent disk reads).
-    ``host_costs``: variant -> its measured ``HostCosts`` (``live_host_costs``; none: nothing beyond the device)."""
+    ``host_costs``: variant -> its measured ``HostCosts`` (``live_host_costs``; none: nothing beyond the device).
+    ``replica_ids``: the live run's (``live_replica_ids``)."""
     out = []
     for variant in variants:
         rows = replay_variant(settings, variant, (starts or {}).get(variant), jitter_s, seed, cpu_count,
-                              (host_costs or {}).get(variant, HostCosts()))
+                              (host_costs or {}).get(variant, HostCosts()), replica_ids)
         out += [{k: v for k, v in r.items() if k != "measured"} for r in rows if r["measured"]]
     return out

@@ -42,7 +42,7 @@ from typing import Optional, Protocol
 import numpy as np
 
 from routing.hashing import rendezvous_scores, stable_hash
-from routing.policy import FleetView, choose_replicas
+from routing.policy import choose_replicas
 from routing.settings import RoutingSettings
 from routing.router_state import LocalRouterState
 from routing.view import RouterView
