@@ -177,10 +177,12 @@ def main(argv=None) -> list[dict]:
         time.sleep(1.0)  # this process's router hears of the new replica before we target it
         marks["steady-3 (6 adapters)"] = (time.perf_counter(), fleet_loads())
         time.sleep(phase_s)
-        warm = pool(new)["warm_start"]
+        state = pool(new)
+        warm = state["warm_start"]
         by_name = uids(handle)
         assigned = {by_name[n] for n in warm["plan"].get("slots", []) if n in by_name}
-        after = warm.get("loads_after_ready", {})
+        at_ready = warm.get("loads_by_adapter_at_ready", {})  # the pool's loads per adapter, then and now
+        after = {u: n - at_ready.get(u, 0) for u, n in state["loads_by_adapter"].items()}
         new_replica = {"replica": new, "warm_s": warm["seconds"], "planned_slots": len(assigned),
                        "planned_host": len(warm["plan"].get("host", [])),
                        "assigned_loads": sum(after.get(u, 0) for u in assigned),

@@ -19,7 +19,6 @@ import dataclasses
 import logging
 import os
 import time
-from collections import Counter
 from typing import AsyncIterator, Optional
 
 import torch
@@ -27,7 +26,6 @@ from ray import serve
 
 from engine.engine import LoRAEngine
 from engine.request import GenerateRequest, GenerateResult, ReplicaTarget, TokenDelta
-from pool.events import PoolEvent
 from routing.autoscale import DemandWindow, working_set_sketch
 from routing.replica_state import ReplicaState
 
@@ -73,8 +71,6 @@ class LoRAWorker:
                                  self.args.host_standby_share)
         self.reports = DirectoryReporter(self.adapters, self.plan, directory, self.demand, self.args.max_batch_size)
         self.warm_start: dict = {}
-        self._loads_after_ready: Counter = Counter()  # uid -> slot loads since warm-up ended (benchmarks.elastic)
-        self.engine.subscribe_pool_events(self._count_load)
         self._left = False
         self._tasks: list[asyncio.Task] = []
         if directory is not None:
@@ -98,7 +94,8 @@ class LoRAWorker:
                             "loaded", self.replica_id, time.monotonic() - started, exc)
         snap = self.engine.pool_snapshot()
         self.warm_start = {"plan": plan, "seconds": round(time.monotonic() - started, 3),
-                           "loads_at_ready": snap.counters.loads, "resident": sorted(snap.resident)}
+                           "loads_at_ready": snap.counters.loads, "resident": sorted(snap.resident),
+                           "loads_by_adapter_at_ready": self.engine.loads_by_adapter()}
         self.plan.ready = True
         await self.reports.first_report(snap)
 
@@ -132,11 +129,6 @@ class LoRAWorker:
         """What the OpenAI routes say of the base model (its context window, as the KV cache fits it)."""
         return {"max_model_len": self.engine.max_model_len}
 
-    def _count_load(self, event: PoolEvent) -> None:
-        """On the engine thread: count slot loads once the replica is ready (cheap, no lock needed)."""
-        if event.kind == "load" and self.warm_start:
-            self._loads_after_ready[event.uid] += 1
-
     def _count_demand(self, name: Optional[str]) -> None:
         if name is not None:
             self.demand.requested(name, time.monotonic())
@@ -157,7 +149,8 @@ class LoRAWorker:
         snap = self.engine.pool_snapshot().to_dict()
         snap["host_cached"] = self.engine.host_cached_uids()
         snap["engine"] = {k: v for k, v in self.engine.stats().items() if k not in ("adapters", "host_cached")}
-        snap["warm_start"] = {**self.warm_start, "loads_after_ready": dict(self._loads_after_ready)}
+        snap["warm_start"] = self.warm_start  # what warm-up loaded: loads after it are the pool's since
+        snap["loads_by_adapter"] = self.engine.loads_by_adapter()
         snap["registry_lookups"] = self.registry.lookups  # entries requests looked up here (by name or uid)
         return snap
 

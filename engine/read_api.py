@@ -48,6 +48,10 @@ class EngineReadAPI:
     def pool_snapshot(self) -> PoolSnapshot:
         return self.pool.snapshot()
 
+    def loads_by_adapter(self) -> dict[str, int]:
+        """Slot loads per adapter uid on this replica (the pool's ``counters.loads``, by adapter)."""
+        return self.pool.loads_by_adapter()
+
     def subscribe_pool_events(self, listener: EventListener) -> None:
         """``listener`` gets every pool event, in order, on the thread that caused it: keep it quick."""
         self.pool.subscribe(listener)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from typing import Callable, Iterable, Optional
 
 import torch
@@ -96,6 +96,7 @@ class LoRAMemoryPool:
         self.kept: frozenset[str] = frozenset()  # evicted only when nothing else can go (the plan places them here)
         self.active: frozenset[Uid] = frozenset()
         self.counters = PoolCounters()
+        self._loads_by_uid: Counter = Counter()  # ``counters.loads`` per adapter (dropped when it leaves the replica)
         self.recent_load_seconds: deque[float] = deque(maxlen=4096)  # drained by metrics exporters
         self._seq = 0
         self._listeners: list[EventListener] = []
@@ -122,6 +123,11 @@ class LoRAMemoryPool:
             return False
         pinned_in_batch = sum(1 for u in uids if u is not None and u in self.pinned)
         return len(uids) - pinned_in_batch <= self.slots - len(self.pinned)
+
+    def loads_by_adapter(self) -> dict[str, int]:
+        """Slot loads per adapter on this replica (``counters.loads`` by uid): which adapters thrash here."""
+        with self._lock:
+            return dict(self._loads_by_uid)
 
     def snapshot(self) -> PoolSnapshot:
         with self._lock:
@@ -279,6 +285,7 @@ class LoRAMemoryPool:
         with self._lock:
             if uid in self.active:
                 raise AdapterInUseError(f"adapter {uid!r} is used by the running batch; unload it when the batch ends")
+            self._loads_by_uid.pop(uid, None)
             slot = self.uid_to_slot.get(uid)
             if slot is None:
                 return False
@@ -366,6 +373,7 @@ class LoRAMemoryPool:
         self.slot_to_uid[slot] = uid
         seconds = fetch_seconds + (time.perf_counter() - started)
         self.counters.loads += 1
+        self._loads_by_uid[uid] += 1
         self.counters.load_seconds += seconds
         self.recent_load_seconds.append(seconds)
         self._emit("load", uid, slot)

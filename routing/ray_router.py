@@ -1,4 +1,4 @@
-"""AdapterAffinityRouter: Ray Serve's RequestRouter for LoRA workers (the only Ray file in routing/).
+"""AdapterAffinityRouter: Ray Serve's RequestRouter for LoRA workers (with its metrics, the only Ray files in routing/).
 
 Serve creates one per handle-holding process (each proxy, ingress replica, driver); they
 share no memory. Each keeps a ``RouterView`` fed by a background long poll on the
@@ -20,8 +20,8 @@ machine shares cores with the engines:
   while rows are free and probes full replicas on every attempt; only when other routers'
   requests fill the replica (completions this router cannot see) does the oldest waiting
   request offer it after ``capacity_poll_s`` so Serve asks it for its queue length;
-- metrics are counted locally and exported every ``metrics_export_interval_s`` from the
-  feed thread, not one ``ray.util.metrics`` call per decision;
+- metrics (``routing.router_metrics``) are counted locally and exported every
+  ``metrics_export_interval_s`` from the feed thread, not one ``ray.util.metrics`` call per decision;
 - the directory feed (``routing.directory_feed``) is paced by traffic (one poll per
   ``requests_per_poll`` routed requests at most, one per ``poll_timeout_s`` when idle), so its
   cost per request is bounded at any request rate;
@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from collections import Counter
 from typing import List, Optional
@@ -48,46 +47,13 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 from .directory_feed import DirectoryFeed
 from .request_fields import request_adapter, request_prompt_tokens
 from .policy import choose_replicas
+from .router_metrics import RouterMetrics
 from .router_state import LocalRouterState
 from .settings import RoutingSettings
 from .view import RouterView
 from .waiters import OldestFirstWaiters
 
 log = logging.getLogger("ray.serve")
-
-
-class _RouterMetrics:
-    """``lorafleet_router_*`` metrics, counted locally and exported periodically.
-
-    ``ray.util.metrics`` calls are not free and every one is work for the node's metrics
-    agent; per-decision calls made that agent's CPU grow with the request rate. Counts
-    accumulate here and go out as one ``inc`` per kind per export.
-    """
-
-    def __init__(self) -> None:
-        from ray.util.metrics import Counter as MetricCounter, Gauge
-
-        self._decisions = MetricCounter("lorafleet_router_decisions_total",
-                                        description="Routing decisions by kind (affinity, spill: another replica "
-                                                    "than the holders, prefill_spill: the same, to skip a long "
-                                                    "prefill queue, placement: no holder, base, wait: the best "
-                                                    "replica was full; waited: offered after a wait for it)",
-                                        tag_keys=("kind",))
-        self._lag = Gauge("lorafleet_router_view_lag_seconds",
-                          description="Seconds since this router's view last heard from the directory")
-        self._lock = threading.Lock()
-        self._unsent: Counter = Counter()
-        self.lag_s = 0.0
-
-    def decision(self, kind: str) -> None:
-        self._unsent[kind] += 1  # the event loop's thread; export swaps the counter under the lock
-
-    def export(self) -> None:
-        with self._lock:
-            unsent, self._unsent = self._unsent, Counter()
-        for kind, count in unsent.items():
-            self._decisions.inc(count, tags={"kind": kind})
-        self._lag.set(self.lag_s)
 
 
 def check_router_kwargs(kwargs: dict) -> None:
@@ -109,7 +75,6 @@ class AdapterAffinityRouter(RequestRouter):
         self.view = RouterView(ttl_s=s.view_ttl_s)
         self.local = LocalRouterState(settings=s)
         self.directory_deployment = directory_deployment
-        self.decisions: Counter = Counter()  # affinity | spill | placement | base | wait | waited
         self.feed: Optional[DirectoryFeed] = None  # started at the first decision (it needs the running loop)
         self._directory_handle = None
         self._stats_applied_at = float("-inf")
@@ -122,7 +87,7 @@ class AdapterAffinityRouter(RequestRouter):
         self._kinds: dict[str, str] = {}  # request id -> decision kind, counted when routed
         self._first_seen: dict[str, float] = {}  # request id -> when it first asked for a replica
         self._last_call: tuple[Optional[str], float] = (None, 0.0)
-        self.metrics = _RouterMetrics()
+        self.metrics = RouterMetrics()  # decisions by kind (affinity | spill | placement | base | wait | waited)
 
     @property
     def max_num_routing_tasks(self) -> int:
@@ -186,7 +151,6 @@ class AdapterAffinityRouter(RequestRouter):
                     counted = True
                     self._waiting[adapter] += 1
                     self._waiters.join_line(first_seen, request_id or "")
-                self.decisions["wait"] += 1
                 self.metrics.decision("wait")
                 others = self._others_fill(decision.best)
                 # only other routers' completions go unseen: with none in the way, wait for ours (no polling);
@@ -276,7 +240,6 @@ class AdapterAffinityRouter(RequestRouter):
         self._first_seen.pop(request_id, None)
         kind = self._kinds.pop(request_id, None)
         if kind is not None:
-            self.decisions[kind] += 1
             self.metrics.decision(kind)
 
     def on_new_queue_len_info(self, replica_id, num_ongoing_requests: int) -> None:

@@ -73,7 +73,7 @@ class LoadClient:
 
     def decisions(self) -> dict:
         """This process's router's decision counts (our router only; empty for Serve's)."""
-        return router_decisions(self.handle)
+        return router_decisions()
 
 
 def split(items: list, parts: int) -> list[list]:
@@ -86,11 +86,10 @@ def shares(total: int, parts: int) -> list[int]:
     return [total // parts + (1 if k < total % parts else 0) for k in range(parts)]
 
 
-def router_decisions(handle) -> dict:
-    """The decision counts by kind of the router behind ``handle`` in this process (the affinity router keeps them;
-    Serve's routers do not: empty). Read through Serve's private attributes: benchmarks only."""
-    try:
-        router = handle._router._asyncio_router._request_router
-    except AttributeError:
-        return {}
-    return dict(getattr(router, "decisions", {}))
+def router_decisions() -> dict:
+    """Decision counts by kind of the affinity routers in this process (``routing.router_metrics``: what
+    ``lorafleet_router_decisions_total`` counts here; empty where Serve's own routers route). A client actor
+    holds one handle, so these are its router's."""
+    from routing.router_metrics import decision_counts
+
+    return decision_counts()

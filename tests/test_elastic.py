@@ -89,6 +89,9 @@ def test_a_working_set_beyond_the_slots_scales_out_and_the_new_replica_starts_wa
     plan, by_name = warm["plan"], uids(elastic)
     assert "demo-0" in plan["pins"] and uid0 in pool["pinned"]
     assert {by_name[n] for n in plan["slots"]} <= set(warm["resident"]), "planned adapters resident at ready"
+    loaded = warm["loads_by_adapter_at_ready"]  # the pool's loads per adapter, as benchmarks.elastic reads them
+    assert all(loaded.get(by_name[n], 0) >= 1 for n in plan["slots"]), loaded
+    assert all(pool["loads_by_adapter"].get(u, 0) >= n for u, n in loaded.items())
     assert len(plan["slots"]) <= SLOTS - 1
 
 

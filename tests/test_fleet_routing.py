@@ -128,12 +128,16 @@ def test_three_routers_load_no_more_than_one(fleet, ray_cluster):
     def loads() -> int:
         return sum(c.get("load", 0) for c in directory().adapter_counts.remote().result().values())
 
+    def routed() -> int:  # each client's router's decisions (routing.router_metrics), waits aside
+        return sum(n for d in ray.get([c.decisions.remote() for c in clients]) for k, n in d.items() if k != "wait")
+
     def run(routers: int) -> int:
-        before = loads()
+        before, decided = loads(), routed()
         parts = split(trace, routers)
         results = ray.get([c.run.remote(p, s) for c, p, s in zip(clients[:routers], parts, shares(3, routers))])
         assert all(not r["errors"] for r in results), [r["errors"] for r in results]
         assert sum(len(r["replicas"]) for r in results) == len(trace)
+        assert routed() - decided == len(trace)  # one decision per request, read without Serve's internals
         return loads() - before
 
     try:

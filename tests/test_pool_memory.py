@@ -285,3 +285,16 @@ def test_kept_adapters_are_evicted_last_and_refuse_nothing():
     pool.prepare_lora_batch(["A"])  # a kept adapter may still go when nothing else can; a pinned one never
     assert "B" in pool.uid_to_slot and "A" in pool.uid_to_slot
     check_invariants(pool)
+
+
+def test_loads_by_adapter_breaks_the_load_counter_down_and_forgets_a_removed_adapter():
+    """What ``LoRAWorker.pool_state`` reports per adapter (a warm start's loads after ready are read from it)."""
+    pool, _ = make_pool(slots=2)
+    for uid in ["A", "B", "C", "A"]:  # two slots, LRU: C evicts A, then A evicts B
+        pool.prepare_lora_batch({uid})
+        pool.release_batch()
+    assert pool.loads_by_adapter() == {"A": 2, "B": 1, "C": 1}
+    assert sum(pool.loads_by_adapter().values()) == pool.counters.loads
+    pool.remove("A")
+    pool.remove("B")  # not resident: its count goes too (the adapter left the replica)
+    assert pool.loads_by_adapter() == {"C": 1}

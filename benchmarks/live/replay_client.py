@@ -32,7 +32,7 @@ class ReplayClient:
         """This process's router's decision counts by kind (the affinity router only; empty for Serve's)."""
         from testkit.clients import router_decisions
 
-        return router_decisions(self.handle)
+        return router_decisions()
 
     async def run(self, requests: list[tuple[float, str, list[int], int]], start_at: float) -> dict:
         """``(arrival s, adapter, prompt token ids, max_tokens)`` each; sending starts at wall time ``start_at``."""

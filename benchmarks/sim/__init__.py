@@ -10,7 +10,7 @@ same time model ``benchmarks/live/emulated.py`` sleeps); the baseline routers in
 are small implementations of other systems' logic, for comparison. ``fleet_replay`` replays
 a ``fleet_live`` run on this simulator and ``fleet_agreement`` judges the match.
 ``cpu_fleet`` is ``routing_live``'s own setup (closed-loop clients, CPU-bound engines and
-control plane on shared cores: a different time model, kept apart) and ``live_check``
+control plane on shared cores: a different time model on the same ``events.EventLoop``) and ``live_check``
 compares it with a live run. ``fleet_bound`` is the lower bound on loads no router can beat;
 ``scale_events`` adds and removes replicas mid-run (cold or warm-started), ``autoscale`` drives
 the replica count with ``routing.autoscale``'s rules; ``scale_scenario``, ``autoscale_scenario``

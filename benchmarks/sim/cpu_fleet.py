@@ -27,7 +27,6 @@ least recently used model when it holds more than ``slots``.
 
 from __future__ import annotations
 
-import heapq
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -44,11 +43,11 @@ from routing.settings import DEFAULT_SETTINGS
 
 from .config import SimConfig, SimRequest
 from .costs import CostModel
+from .events import EventLoop
 from .feed import DirectoryFeed
 from .routers import ROUTERS
 
 VARIANT_ROUTER = {"affinity": "affinity", "multiplexed": "multiplex", "pow2": "pow2"}
-_STEP, _ARRIVE, _RETRY, _SYNC = 1, 2, 3, 4
 
 
 @dataclass(frozen=True)
@@ -119,12 +118,13 @@ class _Replica:
         self.tokens: dict[int, int] = {}  # request index -> tokens still to generate
 
 
-class CpuFleet:
-    """One variant, one concurrency level, one request list (``(adapter, prompt chars, max_tokens)``)."""
+class CpuFleet(EventLoop):
+    """One variant, one concurrency level, one request list (``(adapter, prompt chars, max_tokens)``), on the
+    simulators' event loop (``events.EventLoop``); clients issue a request when their last one finishes."""
 
     def __init__(self, requests: list[tuple[str, str, int]], concurrency: int, cfg: CpuFleetConfig):
+        super().__init__()
         self.cfg = cfg
-        self.now = 0.0
         self.ids = tuple(f"replica-{i:04d}" for i in range(cfg.replicas))
         self.max_ongoing = cfg.max_batch
         self.ongoing = np.zeros(cfg.replicas, dtype=np.float64)
@@ -145,8 +145,6 @@ class CpuFleet:
                 self.feed.join(replica.rid, replica.pool.snapshot())
         self.requests = [SimRequest(i, a, 0.0, len(p), n, 16) for i, (a, p, n) in enumerate(requests)]
         self.concurrency = concurrency
-        self.heap: list = []
-        self._seq = 0
         self.pending: deque[SimRequest] = deque()   # arrived, not yet being routed
         self.active: list[SimRequest] = []          # being routed (Serve's routing tasks), oldest first
         # Serve routes 2 x replicas waiting requests at once; the affinity router asks for more
@@ -164,10 +162,6 @@ class CpuFleet:
     def _fetch(self, uid: str) -> LoRAAdapterWeights:
         return LoRAAdapterWeights(name=uid, config=AdapterConfig(rank=16, alpha=32.0, use_rslora=False,
                                                                  target_modules=()), a={}, bt={})
-
-    def _push(self, t: float, kind: int, obj) -> None:
-        self._seq += 1
-        heapq.heappush(self.heap, (t, self._seq, kind, obj))
 
     def _control_rate(self) -> float:
         """Control-plane CPU seconds per second over the last ``rate_window_s``."""
@@ -190,7 +184,7 @@ class CpuFleet:
         cpu = self.cfg.control
         self.cpu_log.append((self.now, cpu.total_s))
         contention = max(1.0, (self._control_rate() + sum(r.busy for r in self.replicas)) / self.cfg.cores)
-        self._push(self.now + cpu.router_s * contention, _ARRIVE, req)
+        self.at(self.now + cpu.router_s * contention, self._arrive, req)
 
     def _arrive(self, req: SimRequest) -> None:
         """Serve queues requests FIFO and routes at most ``routing_tasks`` of them at a time."""
@@ -215,7 +209,7 @@ class CpuFleet:
         req.attempt += 1
         if not self.router.waits_for_capacity:  # Serve's backoff: 25 ms doubling to 0.5 s
             delay = min(self.config.backoff_initial_s * 2 ** (req.attempt - 1), self.config.backoff_max_s)
-            self._push(self.now + delay, _RETRY, req)
+            self.at(self.now + delay, self._route, req)
         # the affinity router (one here) waits: woken by a completion (``_finish``), as live; no polling
 
     def _dispatch(self, req: SimRequest, idx: int) -> None:
@@ -226,7 +220,7 @@ class CpuFleet:
         replica.sched.add(req)
         if not replica.busy:
             replica.busy = True
-            self._push(self.now, _STEP, replica)
+            self.at(self.now, self._step, replica)
 
     # ------------------------------------------------------------------ engine
 
@@ -257,7 +251,7 @@ class CpuFleet:
         for req in running:
             replica.tokens[req.i] -= 1
         cpu = cfg.step_base_s + cfg.step_per_seq_s * len(running) + cfg.control.replica_s * len(admitted)
-        self._push(self.now + cpu / share + stall, _STEP, replica)
+        self.at(self.now + cpu / share + stall, self._step, replica)
 
     def _read(self, replica: _Replica, uid: str) -> float:
         """Seconds to read ``uid`` from disk for this load (0 when the replica's host tier has it)."""
@@ -271,6 +265,11 @@ class CpuFleet:
                 registered.popitem(last=False)
             return self.cfg.disk_load_s
         return self.cfg.disk_load_s
+
+    def _sync_tick(self) -> None:
+        """Every ``lag_s``: the pushes below, then the next tick."""
+        self._sync()
+        self.at(self.now + self.cfg.lag_s, self._sync_tick)
 
     def _sync(self) -> None:
         """The directory's delta to a view router; to the multiplexing router, each replica's model ids
@@ -312,22 +311,11 @@ class CpuFleet:
         if self.feed is not None:
             self.feed.start(self.router)
         if self.feed is not None or self.router.wants_model_ids:
-            self._push(self.cfg.lag_s, _SYNC, None)
+            self.at(self.cfg.lag_s, self._sync_tick)
         for _ in range(min(self.concurrency, len(self.requests))):
             self._next(None)
         n = len(self.requests)
-        while self.done < n and self.heap:
-            when, _, kind, obj = heapq.heappop(self.heap)
-            self.now = when
-            if kind == _STEP:
-                self._step(obj)
-            elif kind == _ARRIVE:
-                self._arrive(obj)
-            elif kind == _RETRY:
-                self._route(obj)
-            else:
-                self._sync()
-                self._push(when + self.cfg.lag_s, _SYNC, None)
+        self.run_until(lambda: self.done >= n)
         lat = np.array([r.t_done - r.arrival for r in self.requests]) * 1000.0
         first = min(r.arrival for r in self.requests)
         wall = max(r.t_done for r in self.requests) - first

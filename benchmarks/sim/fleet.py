@@ -1,4 +1,4 @@
-"""The event loop: replicas that step like the engine, a lagged directory feed, one router.
+"""A trace on the fleet: replicas that step like the engine, a lagged directory feed, one router.
 
 Per replica (``replica.SimReplica``): the real ``LoRAMemoryPool`` (no tensors), the real
 ``engine.scheduler.Scheduler`` with the token budget, a host tier, the worker's disk reads
@@ -16,11 +16,12 @@ Staleness. Every pool event is buffered with its simulated time; every ``lag_s``
 events at least ``lag_s`` old go to a real ``AdapterDirectory`` in one batch, and the
 router's ``RouterView`` takes the directory's ``changes_since`` delta, so a router sees an
 event between ``lag_s`` and ``2 * lag_s`` after it happened.
+
+Time advances on ``events.EventLoop``, the loop ``cpu_fleet`` runs on too.
 """
 
 from __future__ import annotations
 
-import heapq
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
@@ -33,13 +34,12 @@ from routing.directory import AdapterDirectory
 
 from ..traces import Trace, adapter_uid
 from .config import SimConfig, SimRequest
+from .events import EventLoop
 from .feed import DirectoryFeed, PollPacing
 from .replica import HostTier, SimReplica
 from .routers import ROUTERS
 
 __all__ = ["HostTier", "SimReplica", "SimResult", "Simulator", "run_sim"]
-
-_RETRY, _SYNC, _CALL = 1, 3, 4
 
 
 @dataclass
@@ -89,12 +89,12 @@ def replica_ids(n: int, seed: Optional[int] = None) -> tuple[str, ...]:
     return tuple(sorted("".join(rng.choice(letters, 8)) for _ in range(n)))
 
 
-class Simulator:
+class Simulator(EventLoop):
     def __init__(self, trace: Trace, config: SimConfig):
+        super().__init__()
         if config.router not in ROUTERS:
             raise ValueError(f"unknown router {config.router!r}; choose one of {sorted(ROUTERS)}")
         self.trace, self.config = trace, config
-        self.now = 0.0
         self.ids = (tuple(sorted(config.replica_ids)) if config.replica_ids is not None  # sorted, as Serve's router
                     else replica_ids(config.replicas, config.replica_id_seed))
         if len(self.ids) != config.replicas:
@@ -121,8 +121,6 @@ class Simulator:
             for replica in self.replicas:
                 self.feed.join(replica.rid, replica.pool.snapshot())
         self.routable = list(range(config.replicas))  # replica index per position in ``ids``
-        self.heap: list = []
-        self._seq = 0
         self.retries = 0
         self.waiting: deque[SimRequest] = deque()  # requests waiting for capacity (routers that wait)
         self.routing_tasks = max(config.routing_tasks_per_replica * config.replicas, config.routing_tasks_min)
@@ -144,9 +142,10 @@ class Simulator:
         return SimReplica(idx, rid, self.config, self._fetch, self._listener, self, self.ranks,
                           multiplexed=self.router.multiplexed_worker)
 
-    def _push(self, t: float, kind: int, obj) -> None:
-        self._seq += 1
-        heapq.heappush(self.heap, (t, self._seq, kind, obj))
+    def _sync_tick(self) -> None:
+        """Every ``lag_s``: the directory feed (below), then the next tick."""
+        self._sync()
+        self.at(self.now + self.config.lag_s, self._sync_tick)
 
     def _sync(self) -> None:
         """Deliver events at least ``lag_s`` old to the directory (and, once a second, the routable
@@ -179,10 +178,6 @@ class Simulator:
             self.router.model_ids_pushed(taken)
         now_ids = [self.replicas[i].model_ids() for i in self.routable]
         self.at(self.now + self.config.lag_s, lambda: self._push_model_ids(now_ids))
-
-    def at(self, t: float, action: Callable[[], None]) -> None:
-        """Call ``action()`` at simulated time ``t`` (replica steps and reads, scale events)."""
-        self._push(t, _CALL, action)
 
     # ------------------------------------------------------------------ membership
 
@@ -269,7 +264,7 @@ class Simulator:
                 self.waiting.append(req)
         else:
             delay = min(cfg.backoff_initial_s * (2 ** (req.attempt - 1)), cfg.backoff_max_s)
-            self._push(self.now + delay, _RETRY, req)
+            self.at(self.now + delay, self._route, req)
 
     def _retry_waiting(self) -> None:
         """A completion freed a row: the oldest waiting requests (as many as Serve routes at once) decide again."""
@@ -300,29 +295,13 @@ class Simulator:
         if not self._started:
             self._started = True
             if self.feed is not None:
-                self._push(self.config.lag_s, _SYNC, None)
+                self.at(self.config.lag_s, self._sync_tick)
                 self.feed.start(self.router)
             if self.router.wants_model_ids:
                 self._push_model_ids()
-        heap, n, total = self.heap, len(reqs), len(self.requests)
-        nxt = 0
-        pop = heapq.heappop
-        while self.done < total:
-            if nxt < n and (not heap or arrivals[nxt] <= heap[0][0]):
-                req = reqs[nxt]
-                nxt += 1
-                self.now = req.arrival
-                self._route(req)
-                continue
-            when, _, kind, obj = pop(heap)
-            self.now = when
-            if kind == _CALL:
-                obj()
-            elif kind == _RETRY:
-                self._route(obj)
-            else:
-                self._sync()
-                self._push(when + self.config.lag_s, _SYNC, None)
+        total = len(self.requests)
+        if not self.run_until(lambda: self.done >= total, arrivals, lambda k: self._route(reqs[k])):
+            raise RuntimeError(f"nothing left to simulate with {total - self.done} requests unfinished")
         return reqs
 
     def _result(self, wall: float) -> SimResult:
