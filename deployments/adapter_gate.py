@@ -148,7 +148,7 @@ def build_gate(admin: VersionedFleetAdmin, args, quota_leases) -> AdapterGate:
                                 serve_placement)
 
         async def register(spec):   # resolver-made entries expire (and are found again if still wanted)
-            return await admin.register(spec, expires_after_s=args.adapter_resolver_entry_ttl_s)
+            return await admin.register(spec, expires_after_s=args.adapter_resolver_entry_ttl_s, missing_ok=True)
 
         resolver = AdapterResolver(args.adapter_resolvers, register, args.adapter_resolver_negative_ttl_s,
                                    limiter=limiter)

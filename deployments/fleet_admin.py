@@ -64,8 +64,11 @@ class FleetAdmin:
             self._refreshing = None
             self._refreshed_at = time.monotonic()
 
-    async def register(self, spec: AdapterSpec, expires_after_s: Optional[float] = None) -> dict:
-        """Validate on a worker, then publish; ``expires_after_s`` gives the entry a ``retire_at`` (resolvers)."""
+    async def register(self, spec: AdapterSpec, expires_after_s: Optional[float] = None,
+                       missing_ok: bool = False) -> dict:
+        """Validate on a worker, then publish; ``expires_after_s`` gives the entry a ``retire_at`` (resolvers).
+        ``missing_ok`` (resolvers): the worker answers a missing source instead of raising it (no traceback
+        there); it is raised here all the same."""
         current = self.registry.entries.get(spec.name)
         if current is not None:
             if (current.source, current.revision) == (spec.source, spec.revision):
@@ -76,7 +79,9 @@ class FleetAdmin:
         if spec.pinned:
             self.check_pin_capacity(spec.name, replicas)
         uid = mint_uid(spec.name)
-        facts = await self.worker.validate_adapter.remote(spec.name, spec.source, spec.revision, uid)
+        facts = await self.worker.validate_adapter.remote(spec.name, spec.source, spec.revision, uid, missing_ok)
+        if "missing" in facts:
+            raise AdapterNotFoundError(facts["missing"])
         entry = RegistryEntry(name=spec.name, uid=uid, source=spec.source, revision=spec.revision,
                               pinned=spec.pinned, replicas=replicas, rank=facts["rank"], content=facts.get("content"),
                               retire_at=None if expires_after_s is None else time.time() + expires_after_s)

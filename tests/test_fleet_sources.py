@@ -124,6 +124,22 @@ def test_resolve_on_first_request_from_disk_and_s3(sources_fleet, s3, resolve_ro
         assert admin("DELETE", f"{base}/v1/adapters/{name}").status_code == 200
 
 
+
+def test_a_resolver_lookup_of_a_missing_source_is_an_answer_not_an_error(sources_fleet, resolve_root):
+    """The resolver asks with ``missing_ok``: a bogus name's miss comes back as a plain answer (no traceback
+    logged on the worker per lookup); an admin registration of a missing source still raises (404)."""
+    from ray import serve
+
+    from pool.errors import AdapterNotFoundError
+
+    worker = serve.get_deployment_handle("LoRAWorker", app_name=APP)
+    for source in (f"{resolve_root}/absent", f"s3://{BUCKET}/resolve/absent"):
+        answer = worker.validate_adapter.remote("absent", source, None, "absent@1", True).result(timeout_s=60)
+        assert set(answer) == {"missing"} and "absent" in answer["missing"], answer
+        with pytest.raises(AdapterNotFoundError):
+            worker.validate_adapter.remote("absent", source, None, "absent@1").result(timeout_s=60)
+
+
 def test_version_flip_under_traffic(sources_fleet):
     base, demo_dir = sources_fleet["base"], sources_fleet["demo_dir"]
     for name, folder in (("ref-v1", "demo-0"), ("ref-v2", "demo-1")):
