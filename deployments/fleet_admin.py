@@ -21,6 +21,10 @@ from .registry import RegistryEntry, RegistryFollower
 MISS_REFRESH_INTERVAL_S = 0.5
 
 
+def not_registered(name: str) -> AdapterNotFoundError:
+    return AdapterNotFoundError(f"adapter {name!r} is not registered")
+
+
 class FleetAdmin:
     def __init__(self, worker, directory, registry: RegistryFollower, args: AppArgs):
         self.worker = worker
@@ -35,7 +39,7 @@ class FleetAdmin:
     def entry(self, name: str) -> RegistryEntry:
         entry = self.registry.entries.get(name)
         if entry is None:
-            raise AdapterNotFoundError(f"adapter {name!r} is not registered")
+            raise not_registered(name)
         return entry
 
     async def check_registered(self, name: Optional[str]) -> None:
@@ -49,6 +53,11 @@ class FleetAdmin:
             return
         await self.refresh_after_miss()
         self.entry(name)
+
+    def refresh_due(self) -> bool:
+        """Whether a miss now would refresh the registry copy (or wait for a refresh under way): until then a
+        miss is answered from the copy alone, which the ingress's model guard relies on to answer early."""
+        return self._refreshing is not None or time.monotonic() - self._refreshed_at >= MISS_REFRESH_INTERVAL_S
 
     async def refresh_after_miss(self) -> None:
         """Refresh the registry copy, at most once per ``MISS_REFRESH_INTERVAL_S`` (concurrent callers share one)."""
