@@ -32,6 +32,7 @@ from pathlib import Path
 import httpx
 
 from benchmarks import common
+from benchmarks.proc_cpu import CpuMeter, pids_named
 from benchmarks.rollout import Traffic, percentile_ms, start_local_serve
 
 APP = "abuse-bench"
@@ -96,6 +97,16 @@ def run_flood(base: str, names: list[str], rate: float) -> dict:
     return asyncio.run(flood(base, names, rate))
 
 
+def print_cpu(meter: CpuMeter, bogus_per_s: float) -> None:
+    """Cores each Serve process used without and with the flood, and the flood's CPU per bogus request."""
+    baseline, flood_ = meter.cores("baseline", "baseline end"), meter.cores("flood", "flood end")
+    rows = [{"process": name, "pids": len(meter.groups[name]), "baseline_cores": baseline[name],
+             "flood_cores": flood_[name], "ms_per_bogus": (flood_[name] - baseline[name]) * 1000 / bogus_per_s}
+            for name in baseline]
+    common.print_table(rows, ["process", "pids", "baseline_cores", "flood_cores", "ms_per_bogus"],
+                       title=f"CPU by process (/proc), flood at {bogus_per_s:.0f} bogus requests/s", floatfmt=".2f")
+
+
 def main(argv=None) -> dict:
     parser = common.base_parser(__doc__.splitlines()[0])
     parser.add_argument("--names", type=int, default=10_000, help="unique bogus names in the flood (default 10000)")
@@ -135,11 +146,15 @@ def main(argv=None) -> dict:
         pid = stats()["pid"]
         print(f"abuse: deployed; ingress pid {pid}; {args.clients} ordinary clients; flood of {args.names} names at "
               f"{rate:.0f}/s; lookups limited to {LOOKUPS_PER_S:g}/s", flush=True)
+        meter = CpuMeter({"proxy": pids_named("ProxyActor"), "ingress": [pid],
+                          "workers": pids_named(f"ServeReplica:{APP}:LoRAWorker"), "benchmark": [os.getpid()]})
         traffic = Traffic(base, "support", args.clients, max_tokens=8)
         traffic.start()
         time.sleep(3.0)
         traffic.phase = "baseline"
+        meter.mark("baseline")
         time.sleep(baseline_s)
+        meter.mark("baseline end")
 
         traffic.phase = "repeats"   # the first tenth warms the 404 path; memory must then stay put
         warm = max(1, args.repeats // 10)
@@ -153,7 +168,9 @@ def main(argv=None) -> dict:
         traffic.phase = "flood"
         lookups_before = stats()["resolver_lookups"]
         before_flood = rss_mb(pid)
+        meter.mark("flood")
         flooded = flood_in_process(base, [f"bogus-{i:06d}-{os.urandom(4).hex()}" for i in range(args.names)], rate)
+        meter.mark("flood end")
         after_flood = rss_mb(pid)
         final = stats()
         traffic.stop()
@@ -192,6 +209,8 @@ def main(argv=None) -> dict:
         common.goal("abuse_ordinary_errors", flood_row["ordinary_errors"] + repeats_row["ordinary_errors"], "== 0",
                     flood_row["ordinary_errors"] + repeats_row["ordinary_errors"] == 0),
     ]
+    print()
+    print_cpu(meter, args.names / flooded["seconds"])
     print()
     common.print_goals(goals)
     print(f"\ntotal {common.elapsed_since(all_started)}")
