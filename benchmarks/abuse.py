@@ -11,7 +11,9 @@ registered adapter) running throughout:
 3. flood: ``--names`` unique bogus names at ``--flood-rate`` requests per second.
 
 The ingress's RSS is read from /proc before and after phases 2 and 3, its lookup counter
-through the app handle. The bogus requests are sent from a process of their own: sent from
+through the app handle, and the CPU time of Serve's proxy, the ingress and the workers at
+the baseline's and the flood's ends (benchmarks/proc_cpu.py), so the table says where the
+flood's CPU went. The bogus requests are sent from a process of their own: sent from
 this one, their client CPU shared the ordinary clients' interpreter and inflated the very
 latency the benchmark measures.
 
