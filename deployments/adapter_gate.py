@@ -21,6 +21,7 @@ from engine.request import AdapterRef
 from pool.errors import AdapterNotFoundError
 
 from .config import NAME_RE
+from .fleet_admin import not_registered
 from .quotas import GIVE_BACK_WAIT_S, AdapterQuotas, HandleCalls
 from .replica_share import serve_placement
 from .resolvers import AdapterResolver, LookupLimiter, shown
@@ -75,16 +76,50 @@ class AdapterGate:
         self._families_of: Optional[dict] = None   # held, so its id cannot be reused by a newer dict
         self._families_len = 0
         self.lookups = 0   # names looked up in the registry copy (one per request; tests count them)
+        self.early_refusals = 0   # requests refusal_now answered (the model guard's; tests and benchmarks read it)
 
     def family(self, name: str) -> list:
         """The registry entries serving ``name`` (its versions): the one name look-up of a request."""
         self.lookups += 1
+        return self._current_families().get(name, [])
+
+    def _current_families(self) -> dict[str, list]:
         entries = self.admin.registry.entries
         # the follower replaces the dict on every change; admin calls pop from it in place
         if entries is not self._families_of or len(entries) != self._families_len:
             self._families = families(entries.values())
             self._families_of, self._families_len = entries, len(entries)
-        return self._families.get(name, [])
+        return self._families
+
+    def refusal_now(self, name: object) -> Optional[BaseException]:
+        refusal = self._refusal_now(name)
+        self.early_refusals += refusal is not None
+        return refusal
+
+    def _refusal_now(self, name: object) -> Optional[BaseException]:
+        """The error ``admit`` would raise for ``name`` if it can be told from cached state alone, else None.
+
+        No await and no lookup: the ingress's model guard (model_guard.py) asks before FastAPI parses the
+        request, so a flood of bogus names costs the ingress as little as it can. It mirrors ``_find`` step by
+        step and answers only where ``_find`` would not refresh the registry copy nor look anything up: a name
+        no registration can have, and (while no registry refresh is due) one the copy lacks and the resolvers'
+        negative cache holds, or whose lookup the rate limit would refuse. A known name is never refused here."""
+        if not isinstance(name, str) or name in self._current_families():
+            return None
+        if not NAME_RE.fullmatch(name):
+            return AdapterNotFoundError(f"adapter {shown(name)} is not registered")
+        if name in self.admin.registry.entries or self.admin.refresh_due():
+            return None
+        if self.resolver is None:
+            return not_registered(name)
+        miss = self.resolver.known_miss(name)
+        if miss is not None:
+            return miss
+        limiter = self.resolver.limiter
+        if limiter is not None and not self.resolver.looking_up(name) and limiter.would_refuse():
+            limiter.refused += 1
+            return limiter.busy()
+        return None
 
     async def admit(self, name: Optional[str]) -> Admission:
         """404/429 before any work, else the entry to serve and the quota place to release."""
@@ -148,7 +183,7 @@ def build_gate(admin: VersionedFleetAdmin, args, quota_leases) -> AdapterGate:
                                 serve_placement)
 
         async def register(spec):   # resolver-made entries expire (and are found again if still wanted)
-            return await admin.register(spec, expires_after_s=args.adapter_resolver_entry_ttl_s)
+            return await admin.register(spec, expires_after_s=args.adapter_resolver_entry_ttl_s, missing_ok=True)
 
         resolver = AdapterResolver(args.adapter_resolvers, register, args.adapter_resolver_negative_ttl_s,
                                    limiter=limiter)

@@ -21,6 +21,10 @@ from .registry import RegistryEntry, RegistryFollower
 MISS_REFRESH_INTERVAL_S = 0.5
 
 
+def not_registered(name: str) -> AdapterNotFoundError:
+    return AdapterNotFoundError(f"adapter {name!r} is not registered")
+
+
 class FleetAdmin:
     def __init__(self, worker, directory, registry: RegistryFollower, args: AppArgs):
         self.worker = worker
@@ -35,7 +39,7 @@ class FleetAdmin:
     def entry(self, name: str) -> RegistryEntry:
         entry = self.registry.entries.get(name)
         if entry is None:
-            raise AdapterNotFoundError(f"adapter {name!r} is not registered")
+            raise not_registered(name)
         return entry
 
     async def check_registered(self, name: Optional[str]) -> None:
@@ -49,6 +53,11 @@ class FleetAdmin:
             return
         await self.refresh_after_miss()
         self.entry(name)
+
+    def refresh_due(self) -> bool:
+        """Whether a miss now would refresh the registry copy (or wait for a refresh under way): until then a
+        miss is answered from the copy alone, which the ingress's model guard relies on to answer early."""
+        return self._refreshing is not None or time.monotonic() - self._refreshed_at >= MISS_REFRESH_INTERVAL_S
 
     async def refresh_after_miss(self) -> None:
         """Refresh the registry copy, at most once per ``MISS_REFRESH_INTERVAL_S`` (concurrent callers share one)."""
@@ -64,8 +73,11 @@ class FleetAdmin:
             self._refreshing = None
             self._refreshed_at = time.monotonic()
 
-    async def register(self, spec: AdapterSpec, expires_after_s: Optional[float] = None) -> dict:
-        """Validate on a worker, then publish; ``expires_after_s`` gives the entry a ``retire_at`` (resolvers)."""
+    async def register(self, spec: AdapterSpec, expires_after_s: Optional[float] = None,
+                       missing_ok: bool = False) -> dict:
+        """Validate on a worker, then publish; ``expires_after_s`` gives the entry a ``retire_at`` (resolvers).
+        ``missing_ok`` (resolvers): the worker answers a missing source instead of raising it (no traceback
+        there); it is raised here all the same."""
         current = self.registry.entries.get(spec.name)
         if current is not None:
             if (current.source, current.revision) == (spec.source, spec.revision):
@@ -76,7 +88,9 @@ class FleetAdmin:
         if spec.pinned:
             self.check_pin_capacity(spec.name, replicas)
         uid = mint_uid(spec.name)
-        facts = await self.worker.validate_adapter.remote(spec.name, spec.source, spec.revision, uid)
+        facts = await self.worker.validate_adapter.remote(spec.name, spec.source, spec.revision, uid, missing_ok)
+        if "missing" in facts:
+            raise AdapterNotFoundError(facts["missing"])
         entry = RegistryEntry(name=spec.name, uid=uid, source=spec.source, revision=spec.revision,
                               pinned=spec.pinned, replicas=replicas, rank=facts["rank"], content=facts.get("content"),
                               retire_at=None if expires_after_s is None else time.time() + expires_after_s)

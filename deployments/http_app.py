@@ -7,13 +7,18 @@ from fastapi import FastAPI
 from .admin_routes import admin_router
 from .body_limit import BodyLimitMiddleware
 from .http_errors import install_error_handlers
-from .openai_routes import openai_router
+from .model_guard import ModelGuard
+from .openai_routes import base_model_names, openai_router
 from .version_routes import version_router
 
 
 def build_http_app(ingress) -> FastAPI:
     app = FastAPI(title="lorafleet", description="Multi-LoRA serving on Ray Serve (OpenAI-compatible)")
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=ingress.args.max_body_bytes)
+    base_names = base_model_names(ingress.args)
+    # added last, so outermost: a known-bogus model is refused before routing, parsing or the body limit
+    app.add_middleware(ModelGuard, refusal=lambda model: None if model in base_names else
+                       ingress.gate.refusal_now(model))
     install_error_handlers(app)
     app.include_router(openai_router(ingress))
     app.include_router(admin_router(ingress))

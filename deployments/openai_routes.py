@@ -10,12 +10,17 @@ from .sse import CompletionStream
 from .traffic_split import families
 
 
+def base_model_names(args) -> frozenset:
+    """The ``model`` values that mean the base model, no adapter (the model guard passes them on too)."""
+    return frozenset({args.model_name, args.base_model, "", "base"})
+
+
 def openai_router(ingress) -> APIRouter:
     """Routes bound to one ``LoRAFleetIngress`` replica (its registry, limiter and worker handles)."""
     router = APIRouter()
     args = ingress.args
 
-    base_names = {args.model_name, args.base_model, "", "base"}
+    base_names = base_model_names(args)
     context: dict = {}  # the engine's context window, asked of a worker once
 
     def adapter_for_model(model: str):

@@ -11,7 +11,9 @@ a miss is remembered for ``negative_ttl_s`` in an LRU of at most ``max_misses`` 
 each request gets a fresh error (never one shared object whose traceback would keep every
 request that raised it); lookups are limited to ``lookups_per_s`` and ``max_concurrent``
 (the fleet's figures, split over the ingress replicas so the parts sum to them), past
-which a request gets a 429 instead of a lookup.
+which a request gets a 429 instead of a lookup. The rate is there to pace names that lead
+nowhere: a lookup that finds its adapter gives its token back, so registering real adapters
+on first request is never refused because an earlier real one just took the token.
 """
 
 from __future__ import annotations
@@ -64,25 +66,39 @@ class LookupLimiter:
         self._updated = clock()
         self.refused = 0
 
-    def take(self) -> None:
-        """One lookup may start now, or a 429 (nothing is remembered of the name)."""
-        replicas, rank = self.placement()
+    def _refill(self) -> float:
+        """Tokens now (a burst of one: lookups are paced evenly, so no window of a flood sees more than the
+        rate; a bucket of a second's worth let a flood's first second double it: 5.03/s measured against 5)."""
+        replicas, _ = self.placement()
         rate = self.lookups_per_s / replicas
         now = self.clock()
-        # a burst of one: lookups are paced evenly, so no window of the flood sees more than the rate (a
-        # bucket of a second's worth let a flood's first second double it: 5.03/s measured against 5)
-        capacity = 1.0
-        tokens = capacity if self._tokens is None else min(capacity, self._tokens + (now - self._updated) * rate)
+        tokens = 1.0 if self._tokens is None else min(1.0, self._tokens + (now - self._updated) * rate)
         self._tokens, self._updated = tokens, now
-        if self.running >= replica_share(self.max_concurrent, replicas, rank) or tokens < 1.0:
+        return tokens
+
+    def would_refuse(self) -> bool:
+        """Whether ``take`` would refuse now; takes nothing (the ingress's model guard asks before any await)."""
+        replicas, rank = self.placement()
+        return self.running >= replica_share(self.max_concurrent, replicas, rank) or self._refill() < 1.0
+
+    @staticmethod
+    def busy() -> HTTPError:
+        return HTTPError(429, "adapter resolver lookups are at their limit; retry later",
+                         param="model", code="resolver_busy", retry_after=1)
+
+    def take(self) -> None:
+        """One lookup may start now, or a 429 (nothing is remembered of the name)."""
+        if self.would_refuse():
             self.refused += 1
-            raise HTTPError(429, "adapter resolver lookups are at their limit; retry later",
-                            param="model", code="resolver_busy", retry_after=1)
+            raise self.busy()
         self._tokens -= 1.0
         self.running += 1
 
-    def done(self) -> None:
+    def done(self, found: bool = False) -> None:
+        """A lookup ended; one that ``found`` its adapter gives its token back: the rate paces misses."""
         self.running -= 1
+        if found:
+            self._tokens = min(1.0, self._refill() + 1.0)
 
 
 class AdapterResolver:
@@ -105,25 +121,37 @@ class AdapterResolver:
         """Register ``name`` from the first root that holds a valid adapter, or raise why none did."""
         if not isinstance(name, str) or not NAME_RE.fullmatch(name):
             raise not_registered(name)   # no root can hold it: nothing looked up, nothing remembered
-        miss = self.misses.get(name)
+        miss = self.known_miss(name)
         if miss is not None:
-            expiry, cls, message = miss
-            if self.clock() < expiry:
-                self.misses.move_to_end(name)
-                raise fresh(cls, message)
-            del self.misses[name]
+            raise miss
+        self.misses.pop(name, None)   # absent, or expired
         attempt = self._attempts.get(name)
         if attempt is None:
             if self.limiter is not None:
                 self.limiter.take()
             attempt = self._attempts[name] = asyncio.ensure_future(self._try_roots(name))
-            attempt.add_done_callback(lambda _: self._finished(name))
+            attempt.add_done_callback(lambda done: self._finished(name, done))
         return await asyncio.shield(attempt)
 
-    def _finished(self, name: str) -> None:
+    def known_miss(self, name: str) -> Optional[BaseException]:
+        """The error ``resolve`` would raise now from the negative cache alone, or None (no await, no lookup)."""
+        miss = self.misses.get(name)
+        if miss is None:
+            return None
+        expiry, cls, message = miss
+        if self.clock() >= expiry:
+            return None
+        self.misses.move_to_end(name)
+        return fresh(cls, message)
+
+    def looking_up(self, name: str) -> bool:
+        return name in self._attempts
+
+    def _finished(self, name: str, attempt: asyncio.Future) -> None:
         self._attempts.pop(name, None)
-        if self.limiter is not None:
-            self.limiter.done()
+        if self.limiter is not None:   # found: registered here, or by someone else meanwhile
+            found = not attempt.cancelled() and isinstance(attempt.exception(), (type(None), AdapterExistsError))
+            self.limiter.done(found)
 
     def _remember_miss(self, name: str, error: LoRAFleetError) -> None:
         self.misses[name] = (self.clock() + self.negative_ttl_s, type(error), str(error))

@@ -42,11 +42,12 @@ class VersionedFleetAdmin(FleetAdmin):
             raise AdapterNotFoundError(f"adapter {name!r} is not registered")
         return family
 
-    async def register(self, spec: AdapterSpec, expires_after_s: Optional[float] = None) -> dict:
+    async def register(self, spec: AdapterSpec, expires_after_s: Optional[float] = None,
+                       missing_ok: bool = False) -> dict:
         if any(e.version_of == spec.name for e in self.registry.entries.values()):
             raise AdapterExistsError(f"adapter {spec.name!r} is registered with versions; add one with "
                                      f"POST /v1/adapters/{spec.name}/versions")
-        return await super().register(spec, expires_after_s)
+        return await super().register(spec, expires_after_s, missing_ok)
 
     async def unregister(self, name: str) -> dict:
         """Remove the name and every version of it (at once, and only as read: 409 if it changed)."""

@@ -26,6 +26,7 @@ from ray import serve
 
 from engine.engine import LoRAEngine
 from engine.request import GenerateRequest, GenerateResult, ReplicaTarget, TokenDelta
+from pool.errors import AdapterNotFoundError
 from routing.autoscale import DemandWindow, working_set_sketch
 from routing.replica_state import ReplicaState
 
@@ -135,10 +136,21 @@ class LoRAWorker:
 
     # ------------------------------------------------------------------ admin
 
-    async def validate_adapter(self, name: str, source: str, revision: Optional[str], uid: str) -> dict:
-        """Read and validate an adapter on this replica (registration's first step); returns its facts."""
-        path = await asyncio.to_thread(resolve_demo_source, source)
-        record = await asyncio.to_thread(self.engine.validate_adapter_files, uid, path, name=name, revision=revision)
+    async def validate_adapter(self, name: str, source: str, revision: Optional[str], uid: str,
+                               missing_ok: bool = False) -> dict:
+        """Read and validate an adapter on this replica (registration's first step); returns its facts.
+
+        ``missing_ok``: a source that does not exist answers ``{"missing": why}`` instead of raising. The
+        first-request resolver asks with it: each bogus name it looks up would otherwise make Serve log a
+        traceback on this replica, for a miss that is the expected answer."""
+        try:
+            path = await asyncio.to_thread(resolve_demo_source, source)
+            record = await asyncio.to_thread(self.engine.validate_adapter_files, uid, path, name=name,
+                                             revision=revision)
+        except AdapterNotFoundError as exc:
+            if not missing_ok:
+                raise
+            return {"missing": str(exc)}
         return {"rank": record.rank, "bytes": record.nbytes, "folder": str(record.folder),
                 "content": await asyncio.to_thread(content_version, record)}
 

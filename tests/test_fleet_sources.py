@@ -124,6 +124,48 @@ def test_resolve_on_first_request_from_disk_and_s3(sources_fleet, s3, resolve_ro
         assert admin("DELETE", f"{base}/v1/adapters/{name}").status_code == 200
 
 
+
+def test_a_resolver_lookup_of_a_missing_source_is_an_answer_not_an_error(sources_fleet, resolve_root):
+    """The resolver asks with ``missing_ok``: a bogus name's miss comes back as a plain answer (no traceback
+    logged on the worker per lookup); an admin registration of a missing source still raises (404)."""
+    from ray import serve
+
+    from pool.errors import AdapterNotFoundError
+
+    worker = serve.get_deployment_handle("LoRAWorker", app_name=APP)
+    for source in (f"{resolve_root}/absent", f"s3://{BUCKET}/resolve/absent"):
+        answer = worker.validate_adapter.remote("absent", source, None, "absent@1", True).result(timeout_s=60)
+        assert set(answer) == {"missing"} and "absent" in answer["missing"], answer
+        with pytest.raises(AdapterNotFoundError):
+            worker.validate_adapter.remote("absent", source, None, "absent@1").result(timeout_s=60)
+
+
+def test_the_model_guard_answers_a_known_bogus_name_exactly_as_the_app_does(sources_fleet):
+    """Under the route prefix, through Serve's proxy: the first request for a bogus name takes the normal
+    path (FastAPI, the resolvers' lookup); once its miss is cached the guard answers, with the same bytes."""
+    from ray import serve
+
+    base = sources_fleet["base"]
+    ingress = serve.get_app_handle(APP)   # one ingress replica here
+
+    def early_refusals() -> int:
+        return ingress.admission_stats.remote().result(timeout_s=30)["early_refusals"]
+
+    before = early_refusals()
+    first = complete(base, "guarded-bogus")
+    assert first.status_code == 404 and early_refusals() == before, first.text
+    replies = []
+
+    def guard_answered() -> bool:
+        replies.append(complete(base, "guarded-bogus"))
+        return early_refusals() > before
+
+    wait_until(guard_answered, 60, "the model guard to answer a name the negative cache holds")
+    assert {(r.status_code, r.headers["content-type"], r.text) for r in replies} == \
+        {(404, first.headers["content-type"], first.text)}
+    answered = early_refusals()
+    assert complete(base, "flip").status_code == 200 and early_refusals() == answered   # a known name passes
+
 def test_version_flip_under_traffic(sources_fleet):
     base, demo_dir = sources_fleet["base"], sources_fleet["demo_dir"]
     for name, folder in (("ref-v1", "demo-0"), ("ref-v2", "demo-1")):
