@@ -96,9 +96,11 @@ class ModelRunner:
                             self.cache.block_size, self.device)
         starts = layout.token_offsets
         input_ids = torch.tensor([t for s in ordered for t in s.token_ids], device=self.device)
-        self.context.set_segments(self._segments(ordered, starts), self.kernel_device, num_tokens=layout.num_tokens)
+        decode = layout.num_tokens == len(ordered)  # every request feeds one token
+        self.context.set_segments(self._segments(ordered, starts), self.kernel_device, num_tokens=layout.num_tokens,
+                                  decode_on=self.device if decode else None)
         last_rows = [starts[j] + len(s.token_ids) - 1 for j, s in enumerate(ordered)]
-        keep_all = all_logits or any(s.scored for s in seqs) or layout.num_tokens == len(ordered)
+        keep_all = all_logits or any(s.scored for s in seqs) or decode
         try:
             self.attention.begin_step(layout, self.windows, self.scaling)
             hidden = self._decoder_forward(input_ids, layout, None if keep_all else (ordered, last_rows))
@@ -167,7 +169,7 @@ class ModelRunner:
                 keep = torch.tensor(rows, device=self.device)
                 h, o = h.index_select(0, keep), o.index_select(0, keep)
                 self.context.set_segments(self._segments(ordered, list(range(len(rows))), [1] * len(rows)),
-                                          self.kernel_device, num_tokens=len(rows))
+                                          self.kernel_device, num_tokens=len(rows), decode_on=self.device)
             h = h + attn.o_proj(o)
             mlp = layer.mlp
             gate, up = fused_projections([mlp.gate_proj, mlp.up_proj],
