@@ -39,7 +39,7 @@ again with 2 (``--quick``) or 4 prompts of 4096 tokens (4 output tokens each, on
 over the same window; the engine's context window is raised to 4100 tokens for them (the random
 Llama's rotary positions extend; its ``max_position_embeddings`` stays 2048). The engine runs with
 its default token budget (``max_num_batched_tokens`` None: 1024 on the CPU) and long-prefill cap
-(``long_prefill_tokens`` None: 256 on the CPU), so a long prompt is prefilled in 256-token chunks sharing
+(``long_prefill_tokens`` None: 128 on the CPU), so a long prompt is prefilled in 128-token chunks sharing
 steps with the decodes and yielding to the short prompts' prefills. Rows: the short requests' TTFT/TPOT p50/p99.
 
 Decode step: ``throughput.roofline`` (batch 32, 8 adapters, 64 cached tokens) against the

@@ -46,18 +46,13 @@ class TorchPagedAttention:
                  window: Optional[int], scale: float) -> torch.Tensor:
         """Attention output [tokens, heads * head_dim]; the step's K/V are already in the cache."""
         T = q.shape[0]
-        H, KV, G, hd = self.num_heads, self.num_kv_heads, self.group, self.head_dim
+        H, hd = self.num_heads, self.head_dim
+        groups = layout.decode_groups
+        if len(groups) == 1 and groups[0].all_rows:  # every row decodes, in order: no gather, no scatter
+            return self._decode(layer, q, groups[0], window, scale)
         out = torch.empty(T, H * hd, device=q.device, dtype=q.dtype)
-        for dec in layout.decode_groups:  # rows of similar lengths: little padding (``attention_layout``)
-            B = dec.blocks.shape[0]
-            keys, values = self.cache.gather(layer, dec.blocks.view(-1))           # [KV, B * span, hd]
-            keys = keys.view(KV * B, dec.span, hd)
-            values = values.view(KV * B, dec.span, hd)
-            qd = q.index_select(0, dec.tokens).view(B, KV, G, hd).transpose(0, 1).reshape(KV * B, G, hd)
-            scores = torch.baddbmm(dec.bias(window, KV, q.dtype), qd, keys.transpose(1, 2), alpha=scale)
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-            od = torch.bmm(probs, values).view(KV, B, G, hd).transpose(0, 1).reshape(B, H * hd)
-            out.index_copy_(0, dec.tokens, od)
+        for dec in groups:  # rows of similar lengths: little padding (``attention_layout``)
+            out.index_copy_(0, dec.tokens, self._decode(layer, q.index_select(0, dec.tokens), dec, window, scale))
         for i in layout.prefill_seqs:
             start, n, off = layout.starts[i], layout.counts[i], layout.token_offsets[i]
             total = start + n
@@ -80,6 +75,18 @@ class TorchPagedAttention:
                                                     enable_gqa=True)
             out[off:off + n] = op[0].transpose(0, 1).reshape(n, H * hd)
         return out
+
+    def _decode(self, layer: int, qd: torch.Tensor, dec, window: Optional[int], scale: float) -> torch.Tensor:
+        """Attention of one group of decode rows (``qd``: their queries, [B, heads, head_dim]): [B, heads * head_dim]."""
+        KV, G, hd = self.num_kv_heads, self.group, self.head_dim
+        B = dec.blocks.shape[0]
+        keys, values = self.cache.gather(layer, dec.blocks.view(-1))           # [KV, B * span, hd]
+        keys = keys.view(KV * B, dec.span, hd)
+        values = values.view(KV * B, dec.span, hd)
+        qd = qd.reshape(B, KV, G, hd).transpose(0, 1).reshape(KV * B, G, hd)
+        scores = torch.baddbmm(dec.bias(window, KV, qd.dtype), qd, keys.transpose(1, 2), alpha=scale)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(qd.dtype)
+        return torch.bmm(probs, values).view(KV, B, G, hd).transpose(0, 1).reshape(B, self.num_heads * hd)
 
 
 FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)

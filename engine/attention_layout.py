@@ -60,6 +60,8 @@ class StepLayout:
             at += len(piece)
         self.write_blocks, self.write_offsets, self.positions = views[:3]
         self.decode_groups = [_DecodeGather(self, seqs, views[3 + 3 * g:6 + 3 * g]) for g, seqs in enumerate(group_seqs)]
+        if len(group_seqs) == 1 and group_seqs[0] == list(range(len(counts))) and not self.prefill_seqs:
+            self.decode_groups[0].all_rows = True
         self._prefill_gathers: dict[int, torch.Tensor] = {}
 
     @property
@@ -121,6 +123,7 @@ class _DecodeGather:
     def __init__(self, layout: StepLayout, seqs: list[int], staged: list[torch.Tensor]):
         """``staged``: ``host_rows``' lists on the device."""
         blocks, self.tokens, self.lengths = staged
+        self.all_rows = False  # the rows are the step's every token, in order (``StepLayout`` sets it)
         self.blocks = blocks.view(len(seqs), -1)
         self.span = self.blocks.shape[1] * layout.block_size
         self._masks: dict[Optional[int], torch.Tensor] = {}

@@ -23,6 +23,8 @@ from torch import nn
 
 from pool.memory_pool import LoRAMemoryPool
 
+from .lora_padded import PaddedSegments, add_padded
+
 if TYPE_CHECKING:
     from .lora_plan import SegmentPlan
 
@@ -42,18 +44,24 @@ class LoRABatchContext:
 
     segments: list[LoRASegment] = field(default_factory=list)
     plan: Optional["SegmentPlan"] = None  # the segments on the device, for the Triton kernels
+    padded: Optional[PaddedSegments] = None  # a decode step's segments as one padded batch (no kernels)
     target_programs: int = 264  # split-K's aim for shrink programs (EngineTuning.lora_target_programs)
 
     def set_segments(self, segments: list[LoRASegment], device: Optional[torch.device] = None,
-                     num_tokens: Optional[int] = None) -> None:
+                     num_tokens: Optional[int] = None, decode_on: Optional[torch.device] = None) -> None:
         """``device``: run the segmented kernels there (several adapters); None: the torch segment loop.
-        ``num_tokens``: rows of the step's activations (None: the last segment's end)."""
+        ``num_tokens``: rows of the step's activations (None: the last segment's end). ``decode_on``: every
+        segment is decode rows (one token per request) on that device: without the kernels they run as one
+        padded ``bmm`` pair per module (``engine.lora_padded``) where their slots allow."""
         self.segments = [s for s in segments if s.rank > 0 and s.end > s.start]
         self.plan = None
+        self.padded = None
         if len(self.segments) > 1 and device is not None:
             from .lora_plan import SegmentPlan
 
             self.plan = SegmentPlan.build(self.segments, device, num_tokens)
+        elif decode_on is not None:
+            self.padded = PaddedSegments.build(self.segments, decode_on)
 
 
 class LoRALinear(nn.Module):
@@ -86,6 +94,9 @@ class LoRALinear(nn.Module):
             from . import lora_triton  # read at call time: the tests reload it under the interpreter
 
             lora_triton.add_lora(flat_x, self.a_buffer, self.bt_buffer, plan, flat_out, self.context.target_programs)
+            return out
+        if self.context.padded is not None:
+            add_padded(flat_x, self.a_buffer, self.bt_buffer, self.context.padded, flat_out)
             return out
         add_segment_loop(flat_x, self.a_buffer, self.bt_buffer, segments, flat_out)
         return out

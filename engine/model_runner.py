@@ -20,6 +20,7 @@ from pool.memory_pool import LoRAMemoryPool
 
 from .attention import make_attention
 from .attention_layout import StepLayout
+from .fused_ops import act_mul, apply_rope, signed_sine
 from .kv_cache import PagedKVCache
 from .lora_layers import LoRABatchContext, LoRASegment, fused_projections
 from .norms import rms_norm
@@ -45,11 +46,6 @@ def triton_available() -> bool:
         log.warning("triton is not installed: LoRA runs as a loop over adapters on CUDA")
         return False
     return True
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def window_of(attn: nn.Module, config) -> Optional[int]:
@@ -96,9 +92,11 @@ class ModelRunner:
                             self.cache.block_size, self.device)
         starts = layout.token_offsets
         input_ids = torch.tensor([t for s in ordered for t in s.token_ids], device=self.device)
-        self.context.set_segments(self._segments(ordered, starts), self.kernel_device, num_tokens=layout.num_tokens)
+        decode = layout.num_tokens == len(ordered)  # every request feeds one token
+        self.context.set_segments(self._segments(ordered, starts), self.kernel_device, num_tokens=layout.num_tokens,
+                                  decode_on=self.device if decode else None)
         last_rows = [starts[j] + len(s.token_ids) - 1 for j, s in enumerate(ordered)]
-        keep_all = all_logits or any(s.scored for s in seqs) or layout.num_tokens == len(ordered)
+        keep_all = all_logits or any(s.scored for s in seqs) or decode
         try:
             self.attention.begin_step(layout, self.windows, self.scaling)
             hidden = self._decoder_forward(input_ids, layout, None if keep_all else (ordered, last_rows))
@@ -113,9 +111,11 @@ class ModelRunner:
             for j, i in enumerate(order):
                 result[i] = pieces[j]
             return torch.cat(result, dim=0)
-        if keep_all:
+        if keep_all and not decode:  # a decode step's rows already are its last tokens
             hidden = hidden.index_select(0, torch.tensor(last_rows, device=self.device))
         logits = self.model.lm_head(hidden)
+        if order == list(range(len(order))):  # the inputs came in slot order: no reordering
+            return logits
         inverse = torch.empty(len(order), dtype=torch.long, device=self.device)
         inverse[torch.tensor(order, device=self.device)] = torch.arange(len(order), device=self.device)
         return logits.index_select(0, inverse)
@@ -147,7 +147,7 @@ class ModelRunner:
         last layer's attention output and MLP run on those rows only, and only they come back."""
         h = self.decoder.embed_tokens(input_ids)
         cos, sin = self.decoder.rotary_emb(h[None], layout.positions[None])
-        cos, sin = cos[0][:, None, :], sin[0][:, None, :]
+        cos, sin = cos[0][:, None, :], signed_sine(sin[0][:, None, :])
         T = h.shape[0]
         for li, layer in enumerate(self.decoder.layers):
             attn = layer.self_attn
@@ -158,8 +158,7 @@ class ModelRunner:
             v = v.view(T, self.num_kv_heads, self.head_dim)
             if hasattr(attn, "q_norm"):  # Qwen3-style per-head norms
                 q, k = rms_norm(attn.q_norm, q), rms_norm(attn.k_norm, k)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             self.cache.write(li, layout.write_blocks, layout.write_offsets, k, v)
             o = self.attention(li, q, k, v, layout, self.windows[li], attn.scaling)
             if last_only is not None and li == len(self.decoder.layers) - 1:
@@ -167,10 +166,10 @@ class ModelRunner:
                 keep = torch.tensor(rows, device=self.device)
                 h, o = h.index_select(0, keep), o.index_select(0, keep)
                 self.context.set_segments(self._segments(ordered, list(range(len(rows))), [1] * len(rows)),
-                                          self.kernel_device, num_tokens=len(rows))
+                                          self.kernel_device, num_tokens=len(rows), decode_on=self.device)
             h = h + attn.o_proj(o)
             mlp = layer.mlp
             gate, up = fused_projections([mlp.gate_proj, mlp.up_proj],
                                          rms_norm(layer.post_attention_layernorm, h))
-            h = h + mlp.down_proj(mlp.act_fn(gate) * up)
+            h = h + mlp.down_proj(act_mul(mlp.act_fn, gate, up))
         return rms_norm(self.decoder.norm, h)

@@ -52,3 +52,56 @@ def test_single_adapters_and_base_only_batches_use_no_kernel():
     assert ctx.plan is None  # one adapter: a plain matmul pair is already one kernel each
     ctx.set_segments([LoRASegment(0, 0, 3, 0, 0.0)], torch.device("cpu"))
     assert ctx.segments == [] and ctx.plan is None  # base model only: no LoRA work
+
+
+# A decode step's segments as one padded bmm pair (``engine.lora_padded``): the same numbers as the loop.
+
+def decode_segments(slot_rows: list[tuple[int, int]], ranks, scales) -> list[LoRASegment]:
+    """(slot, rows) in slot order, laid out one after another."""
+    segments, start = [], 0
+    for slot, n in slot_rows:
+        segments.append(LoRASegment(slot, start, start + n, ranks[slot], scales[slot]))
+        start += n
+    return segments
+
+
+def run_both(segments, x, base, a, bt):
+    """(padded path output, segment loop output, the padded grouping)."""
+    with torch.no_grad():
+        padded_ctx, loop_ctx = LoRABatchContext(), LoRABatchContext()
+        padded_ctx.set_segments(segments, decode_on=x.device)
+        loop_ctx.set_segments(segments)
+        return LoRALinear(base, a, bt, padded_ctx)(x), LoRALinear(base, a, bt, loop_ctx)(x), padded_ctx.padded
+
+
+def test_equal_decode_segments_run_as_views_and_equal_the_loop():
+    base, a, bt, _ = make_layer(slots=5, max_rank=8)
+    ranks, scales = [0, 8, 8, 8, 8], [0.0, 2.0, 2.0, 2.0, 2.0]
+    segments = decode_segments([(0, 2), (1, 3), (2, 3), (3, 3)], ranks, scales)  # the base rows first
+    x = torch.randn(11, 12)
+    got, loop, padded = run_both(segments, x, base, a, bt)
+    assert padded is not None and padded.gather is None and padded.first_row == 2  # tiled: no gather
+    torch.testing.assert_close(got, loop, atol=1e-5, rtol=1e-5)  # bmm and mm may sum in another order
+
+
+def test_uneven_decode_segments_with_a_gap_and_mixed_ranks_equal_the_loop():
+    base, a, bt, ranks = make_layer()  # ranks 0, 2, 8, 4
+    scales = [0.0, 0.5, 2.0, 1.5]
+    segments = decode_segments([(1, 1), (3, 4)], ranks, scales)  # slot 2 between them has no rows
+    x = torch.randn(5, 12)
+    got, loop, padded = run_both(segments, x, base, a, bt)
+    assert padded is not None and padded.gather is not None and padded.num_slots == 3
+    torch.testing.assert_close(got, loop, atol=1e-5, rtol=1e-5)
+    token_slots = [1, 3, 3, 3, 3]
+    torch.testing.assert_close(got, reference(x, base, a, bt, token_slots, ranks, scales), atol=1e-5, rtol=1e-5)
+
+
+def test_sparse_slots_one_adapter_and_prefill_steps_keep_the_loop():
+    ranks, scales = [0] + [4] * 7, [0.0] + [1.0] * 7
+    ctx = LoRABatchContext()
+    ctx.set_segments(decode_segments([(1, 2), (7, 2)], ranks, scales), decode_on=torch.device("cpu"))
+    assert ctx.padded is None  # 7 slots for 2 adapters: padding blocks would cost more than the loop saves
+    ctx.set_segments(decode_segments([(2, 4)], ranks, scales), decode_on=torch.device("cpu"))
+    assert ctx.padded is None  # one adapter: already one matmul pair
+    ctx.set_segments(decode_segments([(1, 2), (2, 2)], ranks, scales))
+    assert ctx.padded is None  # not a decode step
