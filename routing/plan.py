@@ -326,8 +326,12 @@ def _move_cost(name: str, i: int, previous: set, replicas: Sequence[ReplicaSlots
 def _first_fitting(name: str, hashes: np.ndarray, fits) -> Optional[int]:
     """The first replica in ``name``'s rendezvous order (``hashes``: the replicas' ids hashed, in plan order)
     for which ``fits(i)``, or None."""
-    for i in np.argsort(rendezvous_scores(stable_hash(name), hashes), kind="stable")[::-1].tolist():
-        if fits(i):
+    scores = rendezvous_scores(stable_hash(name), hashes)
+    first = int(np.argmax(scores))  # as ``routing.warm_start.standby_names`` picks; usually it fits (no sort)
+    if fits(first):
+        return first
+    for i in np.argsort(scores, kind="stable")[::-1].tolist():
+        if i != first and fits(i):
             return i
     return None
 
