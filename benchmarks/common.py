@@ -43,6 +43,30 @@ def base_parser(description: str, *, plot: bool = False) -> argparse.ArgumentPar
     return parser
 
 
+def add_routing_flag(parser: argparse.ArgumentParser) -> None:
+    """``--routing NAME=VALUE ...``: routing settings for the product's router and plan, as ``serve_config.yaml``'s
+    ``args.routing`` sets them (so a setting can be tried live before it becomes a default)."""
+    parser.add_argument("--routing", nargs="+", default=[], metavar="NAME=VALUE",
+                        help="routing settings (docs/routing_settings.md), e.g. spill_margin=0.5")
+
+
+def routing_overrides(pairs: Any) -> dict[str, float]:
+    """``--routing``'s pairs (or a mapping, as a run's JSON metadata stores them) as settings; unknown names and
+    values out of range are refused here, naming them (``RoutingSettings.from_mapping``)."""
+    from routing.settings import RoutingSettings
+
+    if isinstance(pairs, Mapping):
+        values = dict(pairs)
+    else:
+        values = {}
+        for pair in pairs or ():
+            name, sep, raw = str(pair).partition("=")
+            if not sep:
+                raise ValueError(f"--routing takes NAME=VALUE, got {pair!r}")
+            values[name.strip()] = int(raw) if raw.strip().lstrip("-").isdigit() else float(raw)
+    return RoutingSettings.from_mapping(values).changed()
+
+
 def plot_path(args: argparse.Namespace) -> Optional[Path]:
     """Where the PNG goes: ``--plot`` if given, else beside ``--json``, else nowhere."""
     if getattr(args, "plot", None):

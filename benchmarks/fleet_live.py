@@ -128,7 +128,8 @@ def app_args(args, costs: CostModel):
                    max_num_batched_tokens=costs.token_budget, enable_prefix_caching=False,
                    host_cache_bytes=1 << 30, max_waiting_requests=4 * args.rows,
                    adapters=[AdapterSpec(name=adapter_name(i), source=f"demo:{adapter_name(i)}")
-                             for i in range(args.adapters)])
+                             for i in range(args.adapters)],
+                   routing=common.routing_overrides(args.routing))
 
 
 def application(args, parsed, env: dict):
@@ -248,6 +249,21 @@ class Fleet:
 
         return ray.get(self.client.decisions.remote())
 
+    def model_id_lags(self) -> list[float]:
+        """Seconds from each multiplexed load since the last call to this client's router seeing it
+        (``benchmarks.live.model_id_lag``)."""
+        import ray
+        from ray import serve
+
+        from engine.request import ReplicaTarget
+
+        from .live.model_id_lag import push_lags
+
+        handle = serve.get_deployment_handle("LoRAWorker", app_name=APP)
+        starts = [s for rid in self._replica_ids()
+                  for s in handle.take_mux_load_starts.remote(ReplicaTarget(rid)).result()]
+        return push_lags(starts, ray.get(self.client.model_id_sightings.remote()))
+
     def replay(self, requests: list) -> dict:
         import ray
 
@@ -273,6 +289,8 @@ def measure(fleet: Fleet, seg: Segment, requests: list, meter, started_at: float
     loads_before = before["loads"]
     counts_before, plan_before = fleet.load_sources()
     kinds_before = fleet.decisions()
+    if fleet.multiplexed:
+        fleet.model_id_lags()  # forget the loads and sightings before this segment
     seg_start = time.time() - started_at
     meter.start()
     machine_before = psutil.cpu_times()
@@ -285,6 +303,7 @@ def measure(fleet: Fleet, seg: Segment, requests: list, meter, started_at: float
     counts_after, plan_after = fleet.load_sources()
     sources = _load_sources(counts_before, counts_after, plan_after)
     kinds = {k: n - kinds_before.get(k, 0) for k, n in fleet.decisions().items() if n > kinds_before.get(k, 0)}
+    lags = fleet.model_id_lags() if fleet.multiplexed else []
     ttft = [x for x in out["ttft"] if x is not None]
     e2e = [x for x in out["e2e"] if x is not None]
     busy = lambda t: sum(getattr(t, k, 0.0) for k in ("user", "nice", "system", "irq", "softirq", "steal"))  # noqa: E731
@@ -314,11 +333,16 @@ def measure(fleet: Fleet, seg: Segment, requests: list, meter, started_at: float
         "arrive_s": [round(x, 4) if x is not None else None for x in out["arrived"]],
         "ready_s": [round(x, 4) if x is not None else None for x in out["ready"]],
         "replica_of": out["replicas"],
+        # multiplexing: a load's start to the client's router seeing the model id (benchmarks.live.model_id_lag)
+        "model_id_lag_s": [round(x, 4) for x in lags],
     }
     print(f"  {fleet.variant:>11} {seg.name:>10} loads={loads:4d} (planned {sources['loads_planned']}, repeated "
           f"{sources['loads_repeated']}, plan moves {row['plan_moves']}) ttft p50={row['ttft_p50_ms']:7.0f} "
           f"p99={row['ttft_p99_ms']:7.0f} ms e2e p99={row['e2e_p99_ms']:7.0f} ms {row['req_per_s']:5.1f} req/s "
           f"cpu {row['machine_cpu_share']:.0%} errors={row['errors']}", flush=True)
+    if lags:
+        print(f"    model ids reached the router {1000 * _q(lags, 50):.0f} ms (p50), {1000 * _q(lags, 90):.0f} ms (p90) "
+              f"after {len(lags)} loads began", flush=True)
     if out["errors"]:
         print(f"    first error: {out['errors'][0]}", flush=True)
     return row
@@ -419,6 +443,7 @@ def make_parser():
     parser.add_argument("--max-output", type=int, default=512, help="output tokens at most (trace capped)")
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--cpus", type=int, default=8, help="logical CPUs of the local Ray cluster")
+    common.add_routing_flag(parser)
     parser.add_argument("--no-sim", action="store_true", help="skip the simulator's replay of the run")
     parser.add_argument("--verbose", action="store_true", help="keep Ray Serve's driver-side log lines")
     return parser
@@ -468,13 +493,14 @@ def main(argv=None) -> list[dict]:
     if not args.no_sim:
         import os
 
-        from .sim.fleet_replay import (agreement_with_live, live_host_costs, live_replica_ids, live_starts,
-                                       replay_fleet_live)
+        from .sim.fleet_replay import (agreement_with_live, live_host_costs, live_model_id_delays, live_replica_ids,
+                                       live_starts, replay_fleet_live)
 
         # the segments at the offsets they had here, on this machine's CPU count (the workers' read threads)
         sim_rows = replay_fleet_live(_settings(args, segments, costs), args.variants, starts=live_starts(rows),
                                      cpu_count=os.cpu_count(), host_costs=live_host_costs(rows),
-                                     replica_ids=live_replica_ids(rows, args.replicas))
+                                     replica_ids=live_replica_ids(rows, args.replicas),
+                                     model_id_delays=live_model_id_delays(rows))
         agreement = agreement_with_live(rows, sim_rows)
     columns = ["segment", "variant", "loads", "first_requests", "ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms", "req_per_s",
                "errors", "client_cpu_ms", "fleet_cpu_share", "machine_cpu_share"]

@@ -9,7 +9,6 @@ used model only once that model's requests finish.
 from __future__ import annotations
 
 import json
-import math
 
 import numpy as np
 import pytest
@@ -237,18 +236,28 @@ def test_the_replay_names_adapters_as_fleet_live_does():
 
 
 def test_the_replay_polls_and_prices_as_the_live_router_does():
-    """The replayed affinity router's feed pacing and priors are the default routing settings, which the live
-    router builds because fleet_live sets none: a routing setting fleet_live starts to pass must show up here."""
+    """The replayed affinity router's feed pacing, priors and policy are the routing settings the live router
+    built: the defaults when fleet_live passes no ``--routing``, and exactly its ``--routing`` when it does."""
     from benchmarks.sim.feed import PollPacing
-    from benchmarks.sim.fleet_replay import LIVE_PRIORS
+    from benchmarks.sim.fleet_replay import routing_of
     from routing.settings import DEFAULT_SETTINGS
 
     args = fleet_live.make_parser().parse_args(["--quick"])
     assert fleet_live.app_args(args, CostModel().scaled(args.time_scale)).router_kwargs() == {}
-    pacing = PollPacing()
-    assert (pacing.requests_per_poll, pacing.min_interval_s, pacing.timeout_s) == (
-        DEFAULT_SETTINGS.requests_per_poll, DEFAULT_SETTINGS.min_poll_interval_s, DEFAULT_SETTINGS.poll_timeout_s)
-    assert LIVE_PRIORS == DEFAULT_SETTINGS
+    assert PollPacing() == PollPacing.of(DEFAULT_SETTINGS)
+    assert routing_of(vars(args)) == DEFAULT_SETTINGS
+
+    tuned = fleet_live.make_parser().parse_args(["--quick", "--routing", "spill_margin=0.5", "requests_per_poll=8"])
+    live_kwargs = fleet_live.app_args(tuned, CostModel().scaled(tuned.time_scale)).router_kwargs()
+    assert live_kwargs == {"spill_margin": 0.5, "requests_per_poll": 8}
+    replayed = routing_of(json.loads(json.dumps(vars(tuned))))  # as the run's JSON metadata stores it
+    assert (replayed.spill_margin, replayed.requests_per_poll) == (0.5, 8)
+    assert PollPacing.of(replayed).requests_per_poll == 8
+    with pytest.raises(ValueError, match="spill_margn"):
+        routing_of({"routing": ["spill_margn=0.5"]})
+    trace = hand_trace([(0.0, 0, 16, 4)], ranks=[16])
+    router = Simulator(trace, SimConfig(replicas=2, routing=replayed)).router
+    assert router.config.spill_margin == 0.5 and router.config.requests_per_poll == 8
 
 
 def test_a_paced_feed_reaches_the_router_once_per_poll_of_requests():
@@ -338,3 +347,23 @@ def test_live_host_costs_are_each_variants_step_weighted_host_work_and_median_ho
     got = live_host_costs(rows)
     assert set(got) == {"pow2"}
     assert got["pow2"] == HostCosts(step_host_s=pytest.approx(0.0035), dispatch_s=pytest.approx(0.02))
+
+
+def test_multiplexing_routes_on_model_ids_as_late_as_the_live_run_measured():
+    """Serve's router hears a replica's new model only after the push and the controller's broadcast: a second
+    request for the model sent before that goes to the replica with the fewest models and loads it again; after
+    it, to the holder. The replay takes the delay a live run measured (``live_model_id_delays``)."""
+    from benchmarks.sim.fleet_replay import live_model_id_delays
+
+    trace = hand_trace([(0.0, 0, 10, 400), (0.3, 0, 10, 4)], ranks=[8])
+
+    def loads(delay: float) -> int:
+        sim = Simulator(trace, SimConfig(replicas=2, router="multiplex", warmup_fraction=0.0, lag_s=0.1,
+                                         model_id_delay_s=delay))
+        sim.run()
+        return sum(r.pool.counters.loads for r in sim.replicas)
+
+    assert loads(0.05) == 1  # the push reached the router before the second request: it joins the holder
+    assert loads(0.5) == 2   # still unheard: the other replica (fewest models) loads it too
+    rows = [{"variant": "multiplexed", "model_id_lag_s": [0.2, 0.3, 0.9]}, {"variant": "pow2"}]
+    assert live_model_id_delays(rows) == {"multiplexed": pytest.approx(0.3 - 0.05)}

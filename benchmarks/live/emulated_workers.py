@@ -102,6 +102,15 @@ class EmulatedLoRAWorker(LoRAWorker.func_or_class):
         return {"replica_id": self.replica_id, **self.emulation.stats(), **self.mux.counts(),
                 "loads": self.engine.pool_snapshot().counters.loads}
 
+    def take_mux_load_starts(self, target: Optional[ReplicaTarget] = None) -> list[tuple[str, str, float]]:
+        """``(replica id, model, wall time)`` of each multiplexed load begun since the last call
+        (``benchmarks.live.model_id_lag``)."""
+        if target is not None and target.target_replica != self.replica_id:
+            raise RuntimeError(f"load starts for {target.target_replica} reached replica {self.replica_id}")
+        out = [(self.replica_id, name, at) for name, at in self.mux.load_starts]
+        self.mux.load_starts.clear()
+        return out
+
     def reset_adapters(self, target: Optional[ReplicaTarget] = None, follow_plan: bool = False) -> dict:
         """Drop every adapter from the slots and the host tier (the next variant starts as cold as the
         first); ``target`` first, so the affinity router delivers it to that replica. ``follow_plan``: whether

@@ -20,6 +20,7 @@ import asyncio
 import dataclasses
 import os
 import time
+from collections import deque
 from typing import Optional
 
 import torch
@@ -60,6 +61,8 @@ class MultiplexedAdapters:
         self.unloads = 0
         self.load_seconds = 0.0
         self.unload_seconds = 0.0
+        # (model, wall time) each load began: the half of benchmarks.live.model_id_lag measured here
+        self.load_starts: deque[tuple[str, float]] = deque(maxlen=10_000)
 
         async def load_adapter(name: str) -> _LoadedAdapter:
             return await self.load(name)
@@ -71,6 +74,7 @@ class MultiplexedAdapters:
         if name not in self.sources:
             raise AdapterNotFoundError(f"adapter {name!r} is not registered")
         source, revision = self.sources[name]
+        self.load_starts.append((name, time.time()))
         started = time.perf_counter()
         path = await asyncio.to_thread(resolve_demo_source, source)
         await asyncio.to_thread(self.engine.register_adapter, name, path, revision=revision)

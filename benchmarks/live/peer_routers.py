@@ -27,6 +27,8 @@ from routing.hashing import rendezvous_order
 from routing.ray_router import AdapterAffinityRouter
 from routing.request_fields import request_adapter
 
+from .model_id_lag import SIGHTINGS
+
 ROUTER_ENV = "LORAFLEET_BENCH_ROUTER"
 
 
@@ -46,6 +48,12 @@ def _order(adapter: str, replica_ids: tuple[str, ...]) -> tuple[str, ...]:
 class _DefaultRouter(PowerOfTwoChoicesRequestRouter):
     def initialize_state(self, **kwargs) -> None:  # the affinity router's kwargs mean nothing here
         super().initialize_state()
+
+    def update_replicas(self, replicas: List[RunningReplica]) -> None:
+        """Serve's own update, after noting when each replica's multiplexed model ids reached this router
+        (``benchmarks.live.model_id_lag``)."""
+        SIGHTINGS.observe({r.replica_id.unique_id: r.multiplexed_model_ids for r in replicas})
+        super().update_replicas(replicas)
 
 
 class _HashRouter(ConsistentHashRouter):

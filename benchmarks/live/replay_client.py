@@ -34,6 +34,13 @@ class ReplayClient:
 
         return router_decisions()
 
+    def model_id_sightings(self) -> list[tuple[str, str, float]]:
+        """When this process's Serve router first saw each replica's multiplexed model ids since the last call
+        (``benchmarks.live.model_id_lag``; empty under the other routers)."""
+        from benchmarks.live.model_id_lag import SIGHTINGS
+
+        return SIGHTINGS.take()
+
     async def run(self, requests: list[tuple[float, str, list[int], int]], start_at: float) -> dict:
         """``(arrival s, adapter, prompt token ids, max_tokens)`` each; sending starts at wall time ``start_at``."""
         from engine.request import GenerateRequest

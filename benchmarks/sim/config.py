@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from routing.settings import DEFAULT_SETTINGS
+from routing.settings import DEFAULT_SETTINGS, RoutingSettings
 
 from .costs import CostModel
 
@@ -19,6 +19,7 @@ class SimConfig:
     max_lora_rank: int = 64
     eviction_policy: str = "lru"
     lag_s: float = 0.1              # pool event -> router view
+    model_id_delay_s: Optional[float] = None  # multiplexing: a model-id push -> the routers have it (None: lag_s)
     paced_feed: bool = False        # the view router polls as live (feed.PollPacing), not every lag_s
     load_bound_epsilon: float = 0.25
     routing_tasks_per_replica: int = 2  # Serve routes at most this many waiting requests per replica at once
@@ -38,6 +39,7 @@ class SimConfig:
     replica_id_seed: Optional[int] = None  # None: replica-0000...; else random ids as Serve draws them (ensembles)
     replica_ids: Optional[tuple[str, ...]] = None  # the live run's replica ids (fleet_replay); overrides the above
     adapter_names: Optional[str] = None  # format of adapter i's name, e.g. "demo-{}"; None: traces.adapter_uid
+    routing: RoutingSettings = DEFAULT_SETTINGS  # the affinity router's and the plan's settings (as a live app's)
     host_standby_share: float = 0.5  # AppArgs.host_standby_share: plan-following replicas' standby copies at deploy
 
 

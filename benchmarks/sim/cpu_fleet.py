@@ -137,7 +137,7 @@ class CpuFleet(EventLoop):
         self.feed: Optional[DirectoryFeed] = None
         listener = None
         if self.router.uses_view:
-            self.feed = DirectoryFeed(lambda: self.now, cfg.lag_s, cfg.max_batch)
+            self.feed = DirectoryFeed(lambda: self.now, cfg.lag_s, cfg.max_batch, settings=self.config.routing)
             listener = self.feed.on_pool_event
         self.replicas = [_Replica(i, rid, cfg, self._fetch, listener) for i, rid in enumerate(self.ids)]
         if self.feed is not None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Sequence
 
 from routing.directory import AdapterDirectory
-from routing.settings import DEFAULT_SETTINGS
+from routing.settings import DEFAULT_SETTINGS, RoutingSettings
 
 
 @dataclass(frozen=True)
@@ -35,11 +35,16 @@ class PollPacing:
     min_interval_s: float = DEFAULT_SETTINGS.min_poll_interval_s
     timeout_s: float = DEFAULT_SETTINGS.poll_timeout_s
 
+    @classmethod
+    def of(cls, settings: RoutingSettings) -> "PollPacing":
+        """The pacing a live router built from ``settings`` polls with."""
+        return cls(settings.requests_per_poll, settings.min_poll_interval_s, settings.poll_timeout_s)
+
 
 class DirectoryFeed:
     def __init__(self, clock: Callable[[], float], lag_s: float, rows: int, plan_interval_s: float = 1.0,
                  heartbeat_interval_s: float = 1.0, registered: Sequence[str] = (),
-                 pacing: Optional[PollPacing] = None):
+                 pacing: Optional[PollPacing] = None, settings: RoutingSettings = DEFAULT_SETTINGS):
         self.clock = clock
         self.pacing = pacing  # None: the router takes every delta at once (every sync)
         self.routed = 0        # requests the router routed (paces its polls)
@@ -51,7 +56,7 @@ class DirectoryFeed:
         self._heartbeat_at = float("-inf")
         self.lag_s = lag_s
         self.plan_interval_s = plan_interval_s
-        self.directory = AdapterDirectory(clock=clock, replica_timeout_s=float("inf"))
+        self.directory = AdapterDirectory(clock=clock, replica_timeout_s=float("inf"), settings=settings)
         self.directory.planner.default_rows = rows  # what a live worker's heartbeat says: its max batch
         self.pending: deque = deque()
         self.version = -1

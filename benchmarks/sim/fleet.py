@@ -113,7 +113,8 @@ class Simulator(EventLoop):
         if self.router.uses_view:
             self.feed = DirectoryFeed(lambda: self.now, config.lag_s, config.max_batch,
                                       registered=[self.uid_of(a) for a in range(trace.num_adapters)],
-                                      pacing=PollPacing() if config.paced_feed else None)
+                                      pacing=PollPacing.of(config.routing) if config.paced_feed else None,
+                                      settings=config.routing)
             self.directory = self.feed.directory
             self._listener = self.feed.on_pool_event
         self.replicas = [self._replica(i, rid) for i, rid in enumerate(self.ids)]
@@ -170,14 +171,16 @@ class Simulator(EventLoop):
         hands them only a newer one."""
         self._plan_followed = version
 
-    def _push_model_ids(self, taken: Optional[list] = None) -> None:
-        """Serve's two 100 ms loops (``lag_s``): each replica pushes its model ids to the controller
-        (``PUSH_MULTIPLEXED_MODEL_IDS_INTERVAL_S``), whose next control loop broadcasts them to the
-        routers (``CONTROL_LOOP_INTERVAL_S``): a router routes on ids one to two ticks old."""
-        if taken is not None:
-            self.router.model_ids_pushed(taken)
+    def _push_model_ids(self) -> None:
+        """Every ``lag_s`` (Serve's ``PUSH_MULTIPLEXED_MODEL_IDS_INTERVAL_S``, 100 ms) each replica pushes its
+        model ids to the controller, which broadcasts them to the routers: they arrive ``model_id_delay_s``
+        later (default one more ``lag_s``, the controller's loop; a live run measures it,
+        ``benchmarks.live.model_id_lag``)."""
+        cfg = self.config
         now_ids = [self.replicas[i].model_ids() for i in self.routable]
-        self.at(self.now + self.config.lag_s, lambda: self._push_model_ids(now_ids))
+        delay = cfg.lag_s if cfg.model_id_delay_s is None else cfg.model_id_delay_s
+        self.at(self.now + delay, lambda: self.router.model_ids_pushed(now_ids))
+        self.at(self.now + cfg.lag_s, self._push_model_ids)
 
     # ------------------------------------------------------------------ membership
 

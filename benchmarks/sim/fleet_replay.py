@@ -38,8 +38,9 @@ from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
-from routing.settings import DEFAULT_SETTINGS
+from routing.settings import RoutingSettings
 
+from ..common import routing_overrides
 from ..fleet_live import Segment, adapter_name, adapter_ranks, segment_trace
 from .config import SimConfig, SimRequest
 from ..traces import Trace
@@ -48,16 +49,13 @@ from .fleet import Simulator
 from .fleet_agreement import agreement_with_live
 from .scale_events import warm_start_at_deploy
 
-__all__ = ["agreement_with_live", "live_starts", "HostCosts", "live_host_costs", "live_replica_ids", "replay_fleet_live",
+__all__ = ["agreement_with_live", "live_starts", "HostCosts", "live_host_costs", "live_model_id_delays", "live_replica_ids", "replay_fleet_live",
            "replay_variant"]
 
 VARIANT_ROUTER = {"affinity": "affinity", "multiplexed": "multiplex", "pow2": "pow2", "hash": "hash"}
 LIVE_LAG_S = {"affinity": 0.02, "multiplexed": 0.1}  # pool change -> the router's view (see the docstring)
 WARM_STARTED = ("affinity",)  # deployed fresh: its workers' warm start runs; the others start empty
 ADAPTER_NAMES = "demo-{}"  # fleet_live.adapter_name: the plan orders equal needs by name, so the names must match
-# the live router's priors until replicas report measured times: fleet_live sets no routing setting, so the
-# router builds DEFAULT_SETTINGS (a test checks fleet_live's router kwargs stay empty)
-LIVE_PRIORS = DEFAULT_SETTINGS
 SEGMENT_GAP_S = 0.5  # benchmarks.fleet_live.Fleet.replay: the client starts sending 0.5 s after the call
 
 
@@ -65,6 +63,11 @@ def _args(settings: Mapping) -> argparse.Namespace:
     """The fields of ``fleet_live``'s parsed flags that ``segment_trace`` and ``adapter_ranks`` read."""
     keys = ("replicas", "slots", "rows", "adapters", "zipf", "seed", "max_prompt", "max_output")
     return argparse.Namespace(**{k: settings[k] for k in keys})
+
+
+def routing_of(settings: Mapping) -> RoutingSettings:
+    """The routing settings the live run's router and plan had: its ``--routing`` on the defaults."""
+    return RoutingSettings.from_mapping(routing_overrides(settings.get("routing") or []))
 
 
 def costs_of(settings: Mapping) -> CostModel:
@@ -114,6 +117,17 @@ def live_host_costs(live_rows: Sequence[Mapping]) -> dict[str, HostCosts]:
         arrive.setdefault(v, []).extend(x for x in r.get("arrive_s") or () if x is not None)
     return {v: HostCosts(host[v] / steps[v], float(np.median(arrive[v])) if arrive.get(v) else 0.0)
             for v in steps}
+
+
+def live_model_id_delays(live_rows: Sequence[Mapping]) -> dict[str, float]:
+    """variant -> seconds from a replica's model-id push to the routers having it, fitted to the live run's
+    measured lags (``model_id_lag_s``: a load's start to the router seeing it): a load waits half a push interval
+    for the next push on average, so the delay is the median lag less that half. Empty where none was measured."""
+    lags: dict[str, list[float]] = {}
+    for r in live_rows:
+        lags.setdefault(r["variant"], []).extend(r.get("model_id_lag_s") or ())
+    push_s = LIVE_LAG_S["multiplexed"]
+    return {v: max(0.0, float(np.median(x)) - push_s / 2) for v, x in lags.items() if x}
 
 
 def live_replica_ids(live_rows: Sequence[Mapping], replicas: int) -> Optional[tuple[str, ...]]:
@@ -167,15 +181,17 @@ def read_threads(cpu_count: Optional[int]) -> Optional[int]:
 
 def replay_variant(settings: Mapping, variant: str, starts: Optional[Mapping[str, float]] = None,
                    jitter_s: float = 0.0, seed: Optional[int] = None, cpu_count: Optional[int] = None,
-                   host_costs: HostCosts = HostCosts(), replica_ids: Optional[Sequence[str]] = None) -> list[dict]:
+                   host_costs: HostCosts = HostCosts(), replica_ids: Optional[Sequence[str]] = None,
+                   model_id_delay_s: Optional[float] = None) -> list[dict]:
     """One variant's segments on one simulated fleet; a row per segment, the warm-up's included.
     ``jitter_s`` and ``seed`` (the routers' draws, the jitter's and, without ``replica_ids``, Serve-like random replica ids; default the run's
     seed and ids replica-0000...): see ``jittered``. ``cpu_count``: the live machine's (``read_threads``).
     ``host_costs``: what the live replicas paid beyond the emulated device (``live_host_costs``). ``replica_ids``:
-    the live run's (``live_replica_ids``); None: ``replica-0000...``, or Serve-like random ids for other seeds."""
+    the live run's (``live_replica_ids``); None: ``replica-0000...``, or Serve-like random ids for other seeds.
+    ``model_id_delay_s``: multiplexing's push -> router delay the live run measured (``live_model_id_delays``)."""
     if variant not in VARIANT_ROUTER:
         raise ValueError(f"unknown variant {variant!r}; choose one of {sorted(VARIANT_ROUTER)}")
-    args, costs = _args(settings), costs_of(settings)
+    args, costs, routing = _args(settings), costs_of(settings), routing_of(settings)
     segments = segments_of(settings)
     traces = [segment_trace(seg, args, costs) for seg in segments]
     seed = int(args.seed) if seed is None else seed
@@ -186,12 +202,13 @@ def replay_variant(settings: Mapping, variant: str, starts: Optional[Mapping[str
     first = replace(traces[0], ranks=np.array([ranks[adapter_name(i)] for i in range(args.adapters)]))
     config = SimConfig(replicas=args.replicas, router=VARIANT_ROUTER[variant], slots=args.slots,
                        max_batch=args.rows, lag_s=LIVE_LAG_S.get(variant, 0.1), seed=seed,
+                       model_id_delay_s=model_id_delay_s,
                        costs=replace(costs, step_host_s=host_costs.step_host_s),  # the traces' load is the device's
                        dispatch_s=host_costs.dispatch_s,
                        warmup_fraction=0.0, adapter_names=ADAPTER_NAMES, paced_feed=True,
                        read_threads=read_threads(cpu_count),
-                       prior_load_s=(LIVE_PRIORS.host_load_s, LIVE_PRIORS.disk_load_s),
-                       prior_request_s=LIVE_PRIORS.default_request_s,
+                       prior_load_s=(routing.host_load_s, routing.disk_load_s),
+                       prior_request_s=routing.default_request_s, routing=routing,
                        replica_id_seed=None if jitter_s <= 0 and seed == int(args.seed) else seed,
                        replica_ids=tuple(replica_ids) if replica_ids is not None else None)
     sim = Simulator(first, config)
@@ -212,17 +229,20 @@ def replay_fleet_live(settings: dict, variants: list[str],
                       jitter_s: float = 0.0, seed: Optional[int] = None,
                       cpu_count: Optional[int] = None,
                       host_costs: Optional[Mapping[str, HostCosts]] = None,
-                      replica_ids: Optional[Sequence[str]] = None) -> list[dict]:
+                      replica_ids: Optional[Sequence[str]] = None,
+                      model_id_delays: Optional[Mapping[str, float]] = None) -> list[dict]:
     """Every variant's measured segments, simulated: rows ``{variant, segment, loads, ttft_p50_ms,
     ttft_p99_ms, e2e_p50_ms, e2e_p99_ms, ...}`` as ``fleet_live`` reports them. ``starts``: variant ->
     segment -> live ``start_s`` (``live_starts``); without it, segments run back to back. ``jitter_s``,
     ``seed``, ``cpu_count``: as ``replay_variant`` (jitter and seed for ensembles; the defaults replay the run
     as it was sent; pass the live machine's CPU count: it bounds the workers' concurrent disk reads).
     ``host_costs``: variant -> its measured ``HostCosts`` (``live_host_costs``; none: nothing beyond the device).
-    ``replica_ids``: the live run's (``live_replica_ids``)."""
+    ``replica_ids``: the live run's (``live_replica_ids``). ``model_id_delays``: variant -> its measured
+    model-id delay (``live_model_id_delays``)."""
     out = []
     for variant in variants:
         rows = replay_variant(settings, variant, (starts or {}).get(variant), jitter_s, seed, cpu_count,
-                              (host_costs or {}).get(variant, HostCosts()), replica_ids)
+                              (host_costs or {}).get(variant, HostCosts()), replica_ids,
+                              (model_id_delays or {}).get(variant))
         out += [{k: v for k, v in r.items() if k != "measured"} for r in rows if r["measured"]]
     return out

@@ -37,13 +37,14 @@ import heapq
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Optional, Protocol
 
 import numpy as np
 
 from routing.hashing import rendezvous_scores, stable_hash
 from routing.policy import choose_replicas
-from routing.settings import RoutingSettings
+from routing.settings import DEFAULT_SETTINGS
 from routing.router_state import LocalRouterState
 from routing.view import RouterView
 
@@ -115,8 +116,10 @@ class AffinityRouter(_ViewRouter):
         cfg, costs = sim.config, sim.config.costs
         host_s, disk_s = cfg.prior_load_s or (costs.load_seconds(16, True), costs.load_seconds(16, False))
         request_s = cfg.prior_request_s or costs.service_seconds(256, 256)
-        self.config = RoutingSettings(tie_epsilon=cfg.load_bound_epsilon, host_load_s=host_s, disk_load_s=disk_s,
-                                      default_request_s=request_s)
+        # the run's routing settings; the tie from load_bound_epsilon where the run left tie_epsilon at its default
+        tie = cfg.routing.tie_epsilon if cfg.routing.tie_epsilon != DEFAULT_SETTINGS.tie_epsilon else cfg.load_bound_epsilon
+        self.config = replace(cfg.routing, tie_epsilon=tie, host_load_s=host_s, disk_load_s=disk_s,
+                              default_request_s=request_s)
         self.local = LocalRouterState(clock=lambda: sim.now)
         self.caps = [float(sim.max_ongoing)] * len(sim.ids)
         self.waiting: Counter = Counter()  # adapter -> requests waiting for a planned row (as the live router)
