@@ -100,12 +100,15 @@ def requests_per_row(concurrency: int, args) -> int:
 # ---------------------------------------------------------------------------- variants
 
 
-def app_args(num_adapters: int, args):
+def app_args(num_adapters: int, args, follow_plan: bool = True):
+    """``follow_plan``: whether the workers keep and read ahead the directory's placement plan; off behind
+    Serve's default router, which does not route by it (as ``fleet_live`` runs its peers: a plan the router
+    ignores would only hold slots its traffic needs)."""
     from deployments.config import AdapterSpec, AppArgs
 
     return AppArgs(max_loras_per_batch=args.slots, max_lora_rank=16, max_batch_size=args.max_batch_size,
                    max_tokens_limit=64, max_model_len=256, host_cache_bytes=64 << 20,
-                   routing={"tie_epsilon": args.load_bound_epsilon},
+                   routing={"tie_epsilon": args.load_bound_epsilon}, replicas_follow_plan=follow_plan,
                    adapters=[AdapterSpec(name=f"demo-{i}", source=f"demo:demo-{i}") for i in range(num_adapters)])
 
 
@@ -115,7 +118,7 @@ class Variant:
     def __init__(self, name: str, args, num_adapters: int):
         self.name = name
         self.args = args
-        self.parsed = app_args(num_adapters, args)
+        self.parsed = app_args(num_adapters, args, follow_plan=name == "affinity")
         self.app = f"{APP_PREFIX}-{name}"
         self.multiplexed = name == "multiplexed"
         self.deployment = "MultiplexedLoRAWorker" if self.multiplexed else "LoRAWorker"

@@ -121,3 +121,11 @@ def test_one_row_of_the_multiplexed_baseline_with_expensive_loads(ray_cluster, d
     snap = next(iter(stats.values()))
     assert snap["mux_loads"] >= result["loads"]
     assert snap["mux_load_seconds"] / snap["mux_loads"] >= 0.2  # every registration paid the disk read
+
+
+def test_only_the_affinity_variants_workers_follow_the_plan():
+    """Behind Serve's default router the plan routes nothing, so workers that kept its adapters would hold slots
+    the traffic needs: the peers run the product's workers as a Serve user would, without the plan."""
+    args = rl.make_parser().parse_args(["--quick"])
+    follows = {name: rl.Variant(name, args, 12).parsed.replicas_follow_plan for name in rl.VARIANTS}
+    assert follows == {"affinity": True, "multiplexed": False, "pow2": False}
