@@ -27,8 +27,6 @@ from routing.hashing import rendezvous_order
 from routing.ray_router import AdapterAffinityRouter
 from routing.request_fields import request_adapter
 
-from .model_id_lag import SIGHTINGS
-
 ROUTER_ENV = "LORAFLEET_BENCH_ROUTER"
 
 
@@ -52,6 +50,10 @@ class _DefaultRouter(PowerOfTwoChoicesRequestRouter):
     def update_replicas(self, replicas: List[RunningReplica]) -> None:
         """Serve's own update, after noting when each replica's multiplexed model ids reached this router
         (``benchmarks.live.model_id_lag``)."""
+        # looked up by module name at call time: Serve ships this class to the client by value, with a copy of
+        # any module global it names, and the client reads the module's own record
+        from benchmarks.live.model_id_lag import SIGHTINGS
+
         SIGHTINGS.observe({r.replica_id.unique_id: r.multiplexed_model_ids for r in replicas})
         super().update_replicas(replicas)
 
