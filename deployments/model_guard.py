@@ -10,6 +10,12 @@ same body, same headers. Anything it cannot tell cheaply (another route, a chunk
 body, a body that is not a JSON object, a known or not-yet-known name) goes on untouched,
 with the body it read handed on unchanged.
 
+A body the guard parsed and handed on is not parsed again: the parsed object travels in the
+request's scope (``PARSED_BODY``) and the OpenAI routes (``ParsedOnceRoute``) hand it to FastAPI
+as its ``request.json()``, so an ordinary request's body is decoded once at the ingress, not twice.
+FastAPI still decides, from the content type, whether the body is JSON at all, and a body the
+guard could not parse is parsed by FastAPI, which reports where it is invalid.
+
 Paths are matched after the ASGI ``root_path`` (Serve's route prefix), so the guard works for
 an app at ``/`` and under a prefix alike. A request that is invalid in other ways too and
 names a bogus model gets the model's 404 here, where the full app would have named the
@@ -19,13 +25,17 @@ first invalid field (400): either answer is true of it.
 from __future__ import annotations
 
 import json
-from typing import Awaitable, Callable, Optional
+from typing import Any, Awaitable, Callable, Optional
+
+from fastapi import Request
+from fastapi.routing import APIRoute
 
 from .http_errors import error_response
 
 GUARDED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 MAX_GUARDED_BODY = 64 << 10   # bytes: bogus-name requests are small; larger bodies go to the app unread
 
+PARSED_BODY = "lorafleet.parsed_body"   # scope key: the JSON the guard decoded from the body it hands on
 Refusal = Callable[[Optional[str]], Optional[BaseException]]
 
 
@@ -58,10 +68,13 @@ class ModelGuard:
         if length is None or length > self.max_body:   # chunked or large: the app (and its body limit) read it
             return await self.app(scope, receive, send)
         messages, body = await read_body(receive)
-        model = model_of(body) if body is not None else None
+        parsed = parse_json(body) if body is not None else _UNPARSED
+        model = model_of(parsed)
         error = self.refusal(model) if model is not None else None
         if error is not None:
             return await error_response(error)(scope, receive, send)
+        if parsed is not _UNPARSED:
+            scope = {**scope, PARSED_BODY: parsed}   # a copy: the server's own scope is left as it was
         await self.app(scope, replay(messages, receive), send)
 
 
@@ -78,14 +91,42 @@ async def read_body(receive) -> tuple[list[dict], Optional[bytes]]:
     return messages, b"".join(m.get("body", b"") for m in messages)
 
 
-def model_of(body: bytes) -> Optional[str]:
-    """The body's ``model`` when it is a string, else None (no JSON object, no string: the app says why)."""
+_UNPARSED = object()   # no body, or one that is not JSON: FastAPI parses (and reports) it itself
+
+
+def parse_json(body: bytes) -> Any:
+    """``body`` decoded as FastAPI's ``request.json()`` would (``json.loads``), or ``_UNPARSED``."""
     try:
-        parsed = json.loads(body)
+        return json.loads(body)
     except ValueError:
-        return None
+        return _UNPARSED
+
+
+def model_of(parsed: Any) -> Optional[str]:
+    """The parsed body's ``model`` when it is a string, else None (no JSON object, no string: the app says why)."""
     model = parsed.get("model") if isinstance(parsed, dict) else None
     return model if isinstance(model, str) else None
+
+
+class ParsedOnceRequest(Request):
+    """A request whose ``json()`` is the guard's parse of the same bytes, when the guard made one."""
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_json") and PARSED_BODY in self.scope:
+            self._json = self.scope[PARSED_BODY]
+        return await super().json()
+
+
+class ParsedOnceRoute(APIRoute):
+    """FastAPI's documented custom-route hook: the endpoint reads its body through ``ParsedOnceRequest``."""
+
+    def get_route_handler(self) -> Callable:
+        handler = super().get_route_handler()
+
+        async def parsed_once(request: Request):
+            return await handler(ParsedOnceRequest(request.scope, request.receive))
+
+        return parsed_once
 
 
 def replay(messages: list[dict], receive) -> Callable[[], Awaitable[dict]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
+from .model_guard import ParsedOnceRoute
 from .openai_protocol import ChatCompletionRequest, CompletionRequest, completion_body, new_id, to_generate_request
 from .sse import CompletionStream
 from .traffic_split import families
@@ -17,7 +18,7 @@ def base_model_names(args) -> frozenset:
 
 def openai_router(ingress) -> APIRouter:
     """Routes bound to one ``LoRAFleetIngress`` replica (its registry, limiter and worker handles)."""
-    router = APIRouter()
+    router = APIRouter(route_class=ParsedOnceRoute)   # the model guard's parse of the body is the one FastAPI uses
     args = ingress.args
 
     base_names = base_model_names(args)

@@ -1,9 +1,10 @@
 """Versioned rollout: add a version of an adapter name, shift traffic to it, retire the old one.
 
 A version is its own registry entry (``name@label``) with its own uid, so pools, KV and
-every cache keep the versions apart. Before a version first gets traffic it is pre-warmed:
-read into the host tier of every live replica that holds a serving version, and loaded into
-a slot on those where one is resident (at least one replica), bounded by
+every cache keep the versions apart, but it is placed with its adapter (``routing.plan``: the
+flip's traffic stays on the workers that had it). Before a version first gets traffic it is
+pre-warmed: read into the host tier of every live replica that holds a serving version, and
+loaded into a slot on those where one is resident or planned (at least one replica), bounded by
 ``prewarm_timeout_s``: the PUT returns with what was warmed and names what was not.
 A version whose traffic drops to 0% gets a ``retire_at`` one grace period ahead (by default
 ``request_timeout_s``: by then every request that drew it has finished or timed out) and the
@@ -120,7 +121,7 @@ class VersionedFleetAdmin(FleetAdmin):
             else self.args.request_timeout_s
 
     async def prewarm(self, entry: RegistryEntry, serving: list[RegistryEntry]) -> tuple[dict[str, str], int]:
-        """Host tier where a serving version is held, a slot where one is resident (at least one replica).
+        """Host tier where a serving version is held, a slot where one is resident or planned (at least one).
 
         The plan is written on the entry (compare-and-set) and each live replica it names warms the
         version itself when its registry follower sees it, so no call waits on a replica that is gone
@@ -133,6 +134,12 @@ class VersionedFleetAdmin(FleetAdmin):
         holders = sorted(r for r in live if old_uids & (set(replicas[r]["resident"]) |
                                                         set(replicas[r]["host_cached"]) | set(replicas[r]["loading"])))
         slots = [r for r in holders if old_uids & set(replicas[r]["resident"])]
+        # where the plan places the serving versions: the new one is planned there too and routers send it
+        # there (routing.plan, routing.policy), so that is where its first requests must find it in a slot
+        holders_of = (await self.directory.placement_plan.remote())["holders"]
+        planned = {r for e in serving for r in holders_of.get(e.name, ()) if r in live}
+        slots = sorted(set(slots) | planned)
+        holders = sorted(set(holders) | planned)
         if not slots:
             slots = (holders or sorted(live))[:1]
         plan = {r: "slot" if r in slots else "host" for r in sorted(set(holders) | set(slots))}

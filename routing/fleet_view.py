@@ -11,7 +11,7 @@ from typing import Collection, Mapping, Optional, Sequence
 
 import numpy as np
 
-from .hashing import rendezvous_scores, stable_hash
+from .hashing import placement_hash, rendezvous_scores, stable_hash
 
 SMALL_FLEET = 16  # up to this many replicas every one is scored; beyond, a bounded candidate set
 
@@ -54,7 +54,7 @@ class FleetView:
         for small fleets, the numpy array for large ones (compare them as ``int``)."""
         s = self._scores.get(adapter)
         if s is None:
-            arr = rendezvous_scores(stable_hash(adapter), self.hashes)
+            arr = rendezvous_scores(placement_hash(adapter), self.hashes)
             s = self._scores[adapter] = arr.tolist() if len(arr) <= SMALL_FLEET else arr
         return s
 
@@ -63,7 +63,7 @@ class FleetView:
         if len(self.replica_ids) <= SMALL_FLEET:
             s = self.scores(adapter)
             return {i: int(s[i]) for i in indexes}
-        arr = rendezvous_scores(stable_hash(adapter), self.hashes[np.asarray(indexes, dtype=np.int64)])
+        arr = rendezvous_scores(placement_hash(adapter), self.hashes[np.asarray(indexes, dtype=np.int64)])
         return dict(zip(indexes, arr.tolist()))
 
     def order(self, adapter: str, k: int) -> list[int]:

@@ -36,6 +36,12 @@ directory (one writer, read by every router) keeps a plan, and routers route wit
   so its first load is a copy, and such placements spread evenly without moving. (They all went
   to the one least loaded replica before: a zero-need placement adds no load, so that replica
   stayed the least loaded, and cold adapters' long prompts queued behind each other there.)
+- **Versions together.** The versions of one adapter (``name@label`` entries of a rollout,
+  ``routing.identity.family_of``) serve one stream of traffic that a split moves between them: a version
+  is placed where another version of its adapter was placed before it, in this pass (with budget, not
+  overloading it; else by the rules above), and without budget it loads on demand there too. Placed by
+  load, a new version went to the other worker: each flip moved traffic off the worker that had it, so
+  requests ran in two batches of one instead of one of two (the rollout's p99 1.3x steady on 2 cores).
 
 The plan also names the replicas its placements keep busy (planned load at least
 ``busy_above`` of their rows): a request never spills onto one, since its free row is only
@@ -54,7 +60,8 @@ from typing import Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from .hashing import rendezvous_scores, stable_hash
+from .hashing import placement_hash, rendezvous_scores, stable_hash
+from .identity import family_of
 from .settings import DEFAULT_SETTINGS, RoutingSettings
 
 
@@ -229,6 +236,14 @@ class FleetPlanner:
         # what a placement's slot is worth when slots are short: its long-window need per copy, never below
         # forget_below (a registered adapter nobody asked for yet is worth the least the plan keeps)
         value = {a: max(worth.get(a, 0.0), cfg.forget_below) / counts[a] for a in order}
+        versions: dict[str, list[str]] = {}  # an adapter's family -> its planned versions (rollouts: two, briefly)
+        for name in sorted(counts):
+            versions.setdefault(family_of(name), []).append(name)
+
+        def with_family(name: str) -> list[int]:
+            """Replicas another version of ``name``'s adapter is placed on so far (in placement order)."""
+            return list(dict.fromkeys(i for other in versions[family_of(name)] if other != name
+                                      for i in chosen.get(other, ())))
 
         slotted: list[dict[str, float]] = [{} for _ in range(n)]  # replica -> budgeted placements and their shares
 
@@ -282,18 +297,22 @@ class FleetPlanner:
             k, picked, prev = counts[name], chosen[name], previous.get(name, set())
             cost = lambda i: (steady[i] + _move_cost(name, i, prev, replicas, cfg.move_margin),  # noqa: E731
                               replicas[i].replica_id)
+            family = with_family(name)
             while len(picked) < k:
-                cands = {i for i in known.get(name, set()) if budget[i] > 0}
-                cands.update(_least_loaded(heap, steady, budget, k + 2))
-                cands.difference_update(picked)
-                cands = {i for i in cands if steady[i] + steady_share[name] <= overloaded}
+                cands = {i for i in family if budget[i] > 0 and i not in picked
+                         and steady[i] + steady_share[name] <= overloaded}   # with its other versions first
+                if not cands:
+                    cands = {i for i in known.get(name, set()) if budget[i] > 0}
+                    cands.update(_least_loaded(heap, steady, budget, k + 2))
+                    cands.difference_update(picked)
+                    cands = {i for i in cands if steady[i] + steady_share[name] <= overloaded}
                 target = min(cands, key=cost) if cands else displace(name, picked, cost)
                 if target is None:
                     break
                 take(name, target)
             if not picked:  # no budget anywhere: loaded on demand where it was planned, else its rendezvous-first
                 # replica that it does not overload (where its standby copy waits); one that adds no load never moves
-                kept = [i for i in prev if i not in shedding]
+                kept = [i for i in prev if i not in shedding] or [i for i in family if i not in shedding]
                 target = min(kept, key=cost) if kept else _first_fitting(
                     name, hashes, lambda i: steady[i] + steady_share[name] <= overloaded)
                 if target is None:
@@ -326,7 +345,7 @@ def _move_cost(name: str, i: int, previous: set, replicas: Sequence[ReplicaSlots
 def _first_fitting(name: str, hashes: np.ndarray, fits) -> Optional[int]:
     """The first replica in ``name``'s rendezvous order (``hashes``: the replicas' ids hashed, in plan order)
     for which ``fits(i)``, or None."""
-    scores = rendezvous_scores(stable_hash(name), hashes)
+    scores = rendezvous_scores(placement_hash(name), hashes)
     first = int(np.argmax(scores))  # as ``routing.warm_start.standby_names`` picks; usually it fits (no sort)
     if fits(first):
         return first

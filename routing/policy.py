@@ -3,7 +3,8 @@
 Placement is a fleet decision (``routing.plan``: how many replicas hold each adapter and
 which, made by the directory with hysteresis and published to every router). A request is
 routed within its adapter's planned set; an adapter not in the plan yet is planned where it
-is resident, else on its rendezvous-first replica. Within the set it goes to the replica with
+is resident, else on its rendezvous-first replica (a rollout's new version: where the adapter it
+versions is planned). Within the set it goes to the replica with
 the lowest expected completion time (ECT, seconds; the request's own run time left out):
 
     queue wait      max(0, q_i + 1 - cap_i) * T_i / cap_i    until a row frees (``T_i``: the
@@ -46,6 +47,7 @@ from typing import Collection, Mapping, Optional, Sequence
 import numpy as np
 
 from .fleet_view import SMALL_FLEET, FleetView
+from .identity import family_of
 from .scoring import Scoring, candidates
 from .settings import DEFAULT_SETTINGS, RoutingSettings
 from .spill import prefill_spill, spill_target
@@ -102,6 +104,10 @@ def choose_replicas(adapter: Optional[str], view: FleetView, loads: Sequence[flo
         scored = range(n) if n <= SMALL_FLEET else candidates(None, view, loads, (), config)
         return _route_base(ctx, scored)
     planned = view.planned.get(adapter) if view.planned is not None else None
+    if not planned and view.planned is not None and family_of(adapter) != adapter:
+        # a version registered since the last plan (up to plan_interval_s): where its adapter is planned, which
+        # the rollout pre-warmed (deployments/versions.py) and where the next plan puts it too (routing.plan)
+        planned = view.planned.get(family_of(adapter))
     if not planned:  # not in the plan yet: where it is resident, else its rendezvous-first replica
         planned = tuple(sorted(ctx.holders)) or tuple(view.order(adapter, 1))
     ranked = ctx.rank(planned)

@@ -25,7 +25,7 @@ from typing import Optional
 
 import numpy as np
 
-from .hashing import rendezvous_order, rendezvous_scores, stable_hash
+from .hashing import placement_hash, rendezvous_order, rendezvous_scores, stable_hash
 from .pins import pin_holders
 
 
@@ -88,7 +88,7 @@ def standby_names(replica_id: str, replica_ids: Sequence[str], names: Iterable[s
     me = replicas.index(replica_id)
     out = []
     for name in sorted(names):
-        scores = rendezvous_scores(stable_hash(name), hashes)
+        scores = rendezvous_scores(placement_hash(name), hashes)
         if int(np.argmax(scores)) == me:
             out.append(name)
     return out

@@ -14,6 +14,7 @@ import time
 
 import httpx
 import pytest
+from pydantic import BaseModel
 
 from deployments.adapter_gate import AdapterGate
 from deployments.config import AdapterSpec, AppArgs
@@ -26,6 +27,13 @@ from deployments.versions import VersionedFleetAdmin
 from pool.errors import AdapterNotFoundError
 
 PREFIX = "/fleet"
+
+
+class CompletionBody(BaseModel):
+    """The body a route below the guard validates (module level: annotations are strings here)."""
+
+    model: str
+    prompt: str
 
 
 class RecordingApp:
@@ -148,3 +156,36 @@ def test_bodies_it_cannot_read_cheaply_go_to_the_app_untouched(fleet):
         assert post(fleet, None, content=content, headers={"content-type": "application/json"}).status_code == 200
     assert fleet["app"].bodies[0] == big and fleet["app"].bodies[1] == b'{"model": "not a name!", "prompt": "x"}'
     assert fleet["app"].bodies[2:] == [b"not json", b'{"model": 7}']
+
+
+def test_an_ordinary_body_is_decoded_once_and_fastapi_validates_the_guards_parse(monkeypatch):
+    """The guard's parse reaches FastAPI through the scope (``ParsedOnceRoute``): one ``json.loads`` per ordinary
+    request instead of two; a body the guard could not parse is still FastAPI's to parse and report."""
+    from fastapi import APIRouter, FastAPI
+
+    from deployments.body_limit import BodyLimitMiddleware
+    from deployments.model_guard import ParsedOnceRoute
+
+    router = APIRouter(route_class=ParsedOnceRoute)
+
+    @router.post("/v1/completions")
+    async def completions(body: CompletionBody):
+        return {"model": body.model, "prompt": body.prompt}
+
+    app = FastAPI()
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=1 << 20)
+    app.add_middleware(ModelGuard, refusal=lambda model: None)   # outermost, as in deployments/http_app.py
+    app.include_router(router)
+    decoded: list[bytes] = []
+    loads = json.loads
+    monkeypatch.setattr(json, "loads", lambda s, *a, **kw: decoded.append(s) or loads(s, *a, **kw))
+
+    async def send(**kw) -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://ingress") as client:
+            return await client.post("/v1/completions", headers={"content-type": "application/json"}, **kw)
+
+    ok = asyncio.run(send(content=b'{"model": "demo", "prompt": "hi"}'))
+    assert decoded == [b'{"model": "demo", "prompt": "hi"}']   # (read before the client decodes the reply)
+    assert ok.status_code == 200 and ok.json() == {"model": "demo", "prompt": "hi"}
+    bad = asyncio.run(send(content=b'{"model": "demo",'))
+    assert bad.status_code == 422 and bad.json()["detail"][0]["type"] == "json_invalid"

@@ -249,3 +249,26 @@ def test_noisy_tail_demand_moves_few_placements_and_slots_go_to_the_popular():
     assert moves < 0.5 * 300, f"{moves} placements moved in 300 s of steady (if noisy) demand"
     assert hits / asked > 0.8
     assert len(plan.holders["a000"]) == 2  # 16 req/s x 2.5 s / 8 rows x 16% = 0.8 replicas at 75%: two
+
+
+def test_a_new_version_is_planned_where_its_adapter_is_and_stays_there():
+    """A rollout's new version (``name@label``) serves the same traffic as the version it replaces: planned on
+    that version's replica, not on the least loaded one, so a traffic flip moves no request to another worker
+    (where it would run in a batch of its own on cores the first worker shares; rollout p99 1.3x steady)."""
+    v2_everywhere = frozenset({"support@v2"})
+    reps = replicas(per={0: {"resident": frozenset({"support"}) | v2_everywhere},
+                         1: {"resident": frozenset({"other"}) | v2_everywhere}})
+    planner = FleetPlanner()
+    plan = planner.update(0.0, {"support": 1.0}, reps, registered=["support", "other", "support@v2"])
+    assert plan.holders["support"] == ("r0",) and plan.holders["other"] == ("r1",)
+    assert plan.holders["support@v2"] == ("r0",)
+    for now, demand in ((1.0, {"support": 0.5, "support@v2": 0.5}), (2.0, {"support@v2": 1.0})):
+        registered = ["other", "support@v2"] + (["support"] if "support" in demand else [])
+        assert planner.update(now, demand, reps, registered=registered).holders["support@v2"] == ("r0",)
+
+
+def test_a_version_planned_before_its_adapter_takes_the_adapter_along():
+    """Whichever version is placed first, the others follow it (a version may outgrow the first one mid-rollout)."""
+    plan = FleetPlanner().update(0.0, {"support@v2": 1.0}, replicas(n=4),
+                                 registered=["support", "support@v2", "a", "b", "c"])
+    assert plan.holders["support"] == plan.holders["support@v2"]

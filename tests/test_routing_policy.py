@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from routing.hashing import rendezvous_order, stable_hash
+from routing.hashing import rendezvous_order, rendezvous_scores, stable_hash
 from routing.policy import FleetView, choose_replicas
 from routing.settings import RoutingSettings
 
@@ -335,3 +335,12 @@ def test_a_loads_cost_to_the_running_batch_is_its_copy_not_its_disk_read():
     ctx.score(1)  # in its host tier: the copy alone
     assert ctx.load_cost[0] == pytest.approx(0.5 + 0.01 * 5)
     assert ctx.load_cost[1] == pytest.approx(0.01 + 0.01 * 5)
+
+
+def test_a_version_not_in_the_plan_yet_goes_where_its_adapter_is_planned():
+    """Between a version's registration and the next plan (up to ``plan_interval_s``) its requests go to its
+    adapter's planned replica, where the rollout's pre-warm put it, not to a rendezvous guess."""
+    old_first = int(np.argmax(rendezvous_scores(stable_hash("support@v2"), view().hashes)))
+    target = next(i for i in reversed(order_of("support")) if i != old_first)   # neither rendezvous-first
+    decision = choose_replicas("support@v2", planned_view({"support": {target}}), np.zeros(8), caps=CAPS)
+    assert decision.tiers == [[target]]

@@ -77,3 +77,22 @@ def test_standby_names_split_the_registered_adapters_by_their_rendezvous_first_r
         assert all(rendezvous_order(n, replicas)[0] == r for n in got)
     assert standby_names("replica-0", [], names[:3]) == names[:3]  # alone: everything comes here
     assert standby_names("replica-9", replicas, names) == standby_names("replica-9", replicas + ["replica-9"], names)
+
+
+def test_every_version_of_an_adapter_shares_its_rendezvous_order():
+    """Placement hashes the adapter's name, not the version's entry name (``name@label``): a version's standby
+    copy, its fallback replica and its rendezvous-first replica are its adapter's, where the adapter is warm."""
+    from routing.fleet_view import FleetView
+    from routing.warm_start import standby_names
+
+    replicas = [f"replica-{i}" for i in range(8)]
+    names = [f"adapter-{i}" for i in range(20)]
+    view = FleetView(tuple(replicas))
+    for name in names:
+        for version in (f"{name}@v2", f"{name}@canary.3"):
+            assert rendezvous_order(version, replicas) == rendezvous_order(name, replicas)
+            assert view.order(version, 3) == view.order(name, 3)
+            assert rehome_targets([version], replicas, {}).keys() == rehome_targets([name], replicas, {}).keys()
+    for r in replicas:
+        assert set(standby_names(r, replicas, [f"{n}@v2" for n in names])) == \
+            {f"{n}@v2" for n in standby_names(r, replicas, names)}
