@@ -73,6 +73,7 @@ from deployments.config import AppArgs
 from engine.demo.tokenizer import build_tokenizer
 from engine.engine import LoRAEngine
 from engine.kv_cache import kv_bytes_per_token
+from engine.openmp_team import release_thread_team
 from pool.device import default_device
 from pool.shapes import LoRAModelShape
 
@@ -159,7 +160,18 @@ def warm_up(engine: LoRAEngine, requests, names) -> None:
     run_engine(engine, requests[:4], names)
 
 
-def transformers_row(model, requests) -> dict[str, Any]:
+def transformers_row(engine: LoRAEngine, model, requests) -> dict[str, Any]:
+    """transformers with its own OpenMP team only, as ours runs: the idle engine thread's team is freed first
+    (its next step makes a new one) and this thread's after (``engine.openmp_team``: two teams on 2 cores
+    throttle both)."""
+    engine.at_step_boundary(release_thread_team)
+    try:
+        return _transformers_row(model, requests)
+    finally:
+        release_thread_team()
+
+
+def _transformers_row(model, requests) -> dict[str, Any]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         served, t0, stats = run_transformers_cb(model, base_only(requests))
@@ -271,7 +283,7 @@ def run(args) -> int:
         for _ in range(rounds):  # taking turns with transformers below: each keeps its best round
             keep_best(rows, "ours", engine_row("ours, 8 adapters mixed", engine, requests, names))
             keep_best(rows, "ours_base", engine_row("ours, base model only", engine, base_only(requests), names))
-            keep_best(rows, "transformers", transformers_row(hf_model, requests))
+            keep_best(rows, "transformers", transformers_row(engine, hf_model, requests))
         rate = POISSON_LOAD * n / rows["ours"]["seconds"]
         offsets = poisson_offsets(n, rate, args.seed)
         rows["ours_poisson"] = engine_row(f"ours, mixed, Poisson {rate:.1f} req/s", engine, requests, names, offsets)

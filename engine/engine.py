@@ -34,6 +34,7 @@ from .logprobs import TokenTexts
 from .lora_layers import LoRABatchContext, attach_lora
 from .model_loader import load_base_model
 from .model_runner import ModelRunner
+from .openmp_team import release_thread_team
 from .output_processor import eos_token_ids
 from .read_api import EngineReadAPI
 from .request import GenerateRequest, GenerateResult, TokenDelta
@@ -110,13 +111,23 @@ class LoRAEngine(StepLoop, EngineReadAPI):
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name=f"lorafleet-engine-{config.replica_id}", daemon=True)
         self._thread.start()
+        self._free_caller_team()
+
+    def _free_caller_team(self) -> None:
+        """The calling thread is done with torch for now: free its OpenMP team, so the engine thread's is the only
+        one (``engine.openmp_team``: a second team makes every small parallel op of a CPU step wait on a futex)."""
+        if self.tuning.free_caller_openmp_teams and threading.current_thread() is not self._thread:
+            release_thread_team()
 
     # ------------------------------------------------------------------ adapters (``ReplicaAdapters``)
 
     def register_adapter(self, name: str, source: str, *, revision: Optional[str] = None,
                          uid: Optional[str] = None, pinned: bool = False) -> AdapterRecord:
         """Read, validate and host-cache an adapter under ``name`` (``ReplicaAdapters.register``)."""
-        return self.adapters.register(name, source, revision=revision, uid=uid, pinned=pinned)
+        try:
+            return self.adapters.register(name, source, revision=revision, uid=uid, pinned=pinned)
+        finally:  # reading and casting the weights ran parallel torch ops on the caller's thread
+            self._free_caller_team()
 
     def load_into_slot(self, uid: str) -> int:
         """Load a registered adapter into a slot between two steps, with no request; returns the slot."""
@@ -143,7 +154,10 @@ class LoRAEngine(StepLoop, EngineReadAPI):
     def validate_adapter_files(self, uid: str, source: str, *, name: str,
                                revision: Optional[str] = None) -> AdapterRecord:
         """Read and validate an adapter as registration would, keeping nothing."""
-        return self.adapters.validate_files(uid, source, name=name, revision=revision)
+        try:
+            return self.adapters.validate_files(uid, source, name=name, revision=revision)
+        finally:
+            self._free_caller_team()
 
     def fetch_to_host(self, uid: str) -> None:
         """Bring a registered adapter into the host tier (a file read), so its slot load is a memory copy."""

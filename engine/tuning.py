@@ -30,6 +30,9 @@ class EngineTuning:
     # largest |fast - torch| allowed in the start-up check, as a fraction of the largest |torch| output, per dtype
     check_tolerance: dict[str, float] = field(default_factory=_default_tolerances)
     check_seed: int = 0                 # the random inputs of the start-up check (reproducible reports)
+    # free the OpenMP team of a thread that built the engine or registered an adapter once it is done, so the engine
+    # thread's team is the process's only one (``engine.openmp_team``: two teams on 2 cores slowed a step 20%)
+    free_caller_openmp_teams: bool = True
 
     def __post_init__(self) -> None:
         for name in ("attention", "lora_kernels"):

@@ -7,12 +7,13 @@
   at the least for that step, with no attention, LoRA, norms or bookkeeping.
 - bandwidth floor: the bytes of those weights over the machine's copy bandwidth (bytes read
   and written per second by a large ``Tensor.copy_``): reading the weights once.
-The three take turns each repeat, so drift hits them alike.
+The three take turns each repeat, so drift hits them alike, on the engine thread (between two of its steps), as
+served: a step timed on another thread would run beside the engine thread's OpenMP team (``engine.openmp_team``).
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Iterator, Sequence
 
 import torch
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 
 from engine.engine import LoRAEngine
 from engine.model_runner import SeqInput
+from engine.openmp_team import release_thread_team
 
 from benchmarks import common
 
@@ -48,13 +50,15 @@ def copy_bandwidth(device: torch.device, nbytes: int = 256 << 20, repeats: int =
 
 
 @contextmanager
-def decode_inputs(engine: LoRAEngine, adapter_names: Sequence[str], batch: int, context: int) -> Iterator[list]:
+def decode_inputs(engine: LoRAEngine, adapter_names: Sequence[str], batch: int, context: int,
+                  hold_lock: bool = True) -> Iterator[list]:
     """``batch`` one-token inputs (request i on adapter i % len) over ``context`` cached random tokens, ready for
-    ``engine.runner.forward``; the engine's step lock is held throughout and the blocks and slots freed after."""
+    ``engine.runner.forward``; the engine's step lock is held throughout (``hold_lock`` False: the caller runs on the
+    engine thread between steps, which holds it) and the blocks and slots freed after."""
     gen = torch.Generator().manual_seed(0)
     vocab = engine.model.config.vocab_size
     alloc = engine.cache.allocator
-    with engine._step_lock:
+    with engine._step_lock if hold_lock else nullcontext():
         uids = [engine.current_uid(adapter_names[i % len(adapter_names)]) for i in range(batch)]
         slots = engine.pool.prepare_lora_batch(set(uids))
         tables = [[alloc.allocate() for _ in range(alloc.blocks_for(context + 1))] for _ in range(batch)]
@@ -71,10 +75,16 @@ def decode_inputs(engine: LoRAEngine, adapter_names: Sequence[str], batch: int, 
 
 def measure_decode(engine: LoRAEngine, weights: Sequence[torch.Tensor], adapter_names: Sequence[str], batch: int,
                    context: int, repeats: int) -> dict:
-    """Median step and floors in ms; the engine must be idle (its step lock is held throughout)."""
+    """Median step and floors in ms, timed on the engine thread between two of its steps (the engine must be idle)."""
+    release_thread_team()  # the caller's OpenMP team would throttle the engine thread's (engine.openmp_team)
+    return engine.at_step_boundary(lambda: _measure_decode(engine, weights, adapter_names, batch, context, repeats))
+
+
+def _measure_decode(engine: LoRAEngine, weights: Sequence[torch.Tensor], adapter_names: Sequence[str], batch: int,
+                    context: int, repeats: int) -> dict:
     device = engine.device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    with decode_inputs(engine, adapter_names, batch, context) as seqs:
+    with decode_inputs(engine, adapter_names, batch, context, hold_lock=False) as seqs:
         def step():
             engine.runner.forward(seqs).argmax(dim=-1).tolist()
 
