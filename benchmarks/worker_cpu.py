@@ -13,14 +13,12 @@ Rows: concurrency 1 (``--requests`` requests one after another) and concurrency 
 batch); ``--rounds`` rounds taking turns, each row's minimum and median over the rounds
 (other work on the machine adds CPU time to a run through cache misses, never removes it).
 
-    python -m benchmarks.worker_cpu [--requests 200] [--rounds 3] [--json PATH]
+    python -m benchmarks.worker_cpu [--quick] [--requests 200] [--rounds 3] [--json PATH]
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import statistics
 import time
 from types import SimpleNamespace
@@ -28,6 +26,8 @@ from typing import Optional, Sequence
 
 import psutil
 import torch
+
+from benchmarks import common
 
 CONCURRENCY = (1, 8)
 
@@ -83,12 +83,11 @@ def measure(engine, requests: list, concurrency: int) -> dict:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=int, default=200, help="requests per row (default 200)")
+    parser = common.base_parser(__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, help="requests per row (default 200; quick 100)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds taking turns (default 3)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
+    args.requests = args.requests or (100 if args.quick else 200)
     from benchmarks.routing_live import Setting, build_requests
 
     torch.set_num_threads(1)  # a num_cpus=1 replica (deployments/worker.py's _torch_threads)
@@ -112,10 +111,16 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict]:
             values = [r[key] for r in rs]
             row[f"{key}_min"], row[f"{key}_median"] = round(min(values), 3), round(statistics.median(values), 3)
         rows.append(row)
-        print(json.dumps(row), flush=True)
+    common.print_table(rows, title="one worker's engine, in-process: CPU ms per request (min and median of rounds)",
+                       floatfmt=".3g")
+    # reported, not judged: this is a yardstick for comparing commits on one machine, not a target
+    goal_rows = [common.goal(f"worker_process_cpu_ms_per_request_c{r['concurrency']}", r["process_cpu_ms_min"],
+                             "reported", None) for r in rows]
+    print()
+    common.print_goals(goal_rows)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"rows": rows, "runs": runs}, f, indent=1)
+        common.write_json(args.json, "worker_cpu", rows, common.settings_of(args), extra={"runs": runs},
+                          goals=goal_rows)
     return rows
 
 
