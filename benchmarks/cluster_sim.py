@@ -368,7 +368,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--per-replica", type=int, help="requests per replica (default 150; 200 with --quick)")
     parser.add_argument("--skip-overhead", action="store_true", help="do not time the routing decision")
     parser.add_argument("--skip-elastic", action="store_true", help="no scale-event or autoscaling runs")
-    parser.add_argument("--live-json", metavar="PATH", nargs="+",
+    parser.add_argument("--live-json", metavar="PATH", nargs="+", action="extend",
                         help="routing_live and/or fleet_live --json runs: simulate each and check the rankings match")
     parser.add_argument("--live-only", action="store_true", help="with --live-json: only that check")
     args = parser.parse_args(argv)

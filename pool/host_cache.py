@@ -3,6 +3,9 @@
 Holds loaded adapters (already in the pool's dtype, in pinned memory when CUDA is
 present) under a byte budget with LRU replacement, so bringing an evicted adapter back
 into a slot is a host-to-device copy instead of a file read and a parse.
+
+The cache only needs each entry's ``nbytes``: the fleet simulator keeps entries that are
+sizes without tensors in this same class, so its host tier evicts exactly as a replica's.
 """
 
 from __future__ import annotations
@@ -10,11 +13,21 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Optional
+from typing import Generic, Optional, Protocol, TypeVar
 
 import torch
 
 from .adapter import LoRAAdapterWeights
+
+
+class SizedEntry(Protocol):
+    """What the cache keeps: anything that knows its size (``LoRAAdapterWeights``, or a simulated one)."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+
+Entry = TypeVar("Entry", bound=SizedEntry)
 
 
 @dataclass
@@ -26,7 +39,7 @@ class HostCacheStats:
     entries: int = 0
 
 
-class HostAdapterCache:
+class HostAdapterCache(Generic[Entry]):
     """LRU by bytes. Thread-safe: replicas load unrelated adapters concurrently."""
 
     def __init__(self, budget_bytes: int, pin_memory: Optional[bool] = None):
@@ -34,11 +47,11 @@ class HostAdapterCache:
             raise ValueError(f"host cache budget must be >= 0 bytes, got {budget_bytes}")
         self.budget_bytes = budget_bytes
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
-        self._entries: "OrderedDict[str, LoRAAdapterWeights]" = OrderedDict()
+        self._entries: "OrderedDict[str, Entry]" = OrderedDict()
         self._lock = threading.Lock()
         self.stats = HostCacheStats()
 
-    def get(self, uid: str) -> Optional[LoRAAdapterWeights]:
+    def get(self, uid: str) -> Optional[Entry]:
         with self._lock:
             weights = self._entries.get(uid)
             if weights is None:
@@ -48,15 +61,15 @@ class HostAdapterCache:
             self.stats.hits += 1
             return weights
 
-    def put(self, uid: str, weights: LoRAAdapterWeights) -> LoRAAdapterWeights:
-        """Cache ``weights`` (pinned if configured); returns the cached copy.
+    def put(self, uid: str, weights: Entry) -> Entry:
+        """Cache ``weights`` (pinned if configured and they are tensors); returns the cached copy.
 
         An adapter larger than the whole budget is returned uncached.
         """
         size = weights.nbytes
         if size > self.budget_bytes:
             return weights
-        if self.pin_memory:
+        if self.pin_memory and isinstance(weights, LoRAAdapterWeights):
             weights = weights.to(pin_memory=True)
         with self._lock:
             old = self._entries.pop(uid, None)

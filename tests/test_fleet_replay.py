@@ -222,7 +222,7 @@ def test_a_fresh_affinity_deployment_comes_up_one_replica_at_a_time_and_a_viewle
     assert len(sim.replicas[0].pool.uid_to_slot) == 4  # read ahead into its free slots
     for plan, replica in zip(plans[1:], sim.replicas[1:]):
         assert 0 < len(plan.slots) <= 3 and set(plan.slots) <= set(replica.pool.uid_to_slot)
-        assert set(plan.slots) | set(plan.host) <= set(replica.host.entries)  # read before traffic
+        assert set(plan.slots) | set(plan.host) <= set(replica.host.uids())  # read before traffic
     for replica in sim.replicas:
         assert replica.planned == set(planned_on(sim.directory.plan, replica.rid))
     assert warm_start_at_deploy(Simulator(trace, SimConfig(replicas=4, router="pow2"))) == []

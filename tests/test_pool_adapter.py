@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -238,6 +239,23 @@ def test_host_cache_is_lru_by_bytes(demo_assets, shape):
     assert "demo-0" not in tiny and tiny.stats.bytes_used == 0
     with pytest.raises(ValueError):
         HostAdapterCache(-1)
+
+
+@dataclass(frozen=True)
+class SimulatedAdapter:
+    nbytes: int
+
+
+def test_the_host_cache_keeps_any_sized_entry_so_the_simulator_evicts_as_a_replica_does():
+    """The fleet simulator keeps sizes, not tensors, in this same cache: eviction must read only ``nbytes``."""
+    cache: HostAdapterCache[SimulatedAdapter] = HostAdapterCache(budget_bytes=100, pin_memory=True)
+    for uid, size in (("a", 40), ("b", 40), ("c", 30)):
+        cache.put(uid, SimulatedAdapter(size))
+    assert cache.uids() == ["b", "c"] and cache.stats.bytes_used == 70 and cache.stats.evictions == 1
+    assert cache.get("b") == SimulatedAdapter(40)           # a use: b is now the most recent
+    cache.put("d", SimulatedAdapter(60))                    # evicts c (the oldest), not b
+    assert cache.uids() == ["b", "d"] and cache.stats.bytes_used == 100
+    assert cache.put("huge", SimulatedAdapter(101)) == SimulatedAdapter(101) and "huge" not in cache
 
 
 def test_a_weights_file_larger_than_any_valid_adapter_is_refused_before_reading(demo_assets, shape, tmp_path):

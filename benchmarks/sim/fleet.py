@@ -36,10 +36,10 @@ from ..traces import Trace, adapter_uid
 from .config import SimConfig, SimRequest
 from .events import EventLoop
 from .feed import DirectoryFeed, PollPacing
-from .replica import HostTier, SimReplica
+from .replica import SimReplica
 from .routers import ROUTERS
 
-__all__ = ["HostTier", "SimReplica", "SimResult", "Simulator", "run_sim"]
+__all__ = ["SimReplica", "SimResult", "Simulator", "run_sim"]
 
 
 @dataclass

@@ -33,10 +33,12 @@ from __future__ import annotations
 
 import math
 from collections import Counter, OrderedDict, deque
+from dataclasses import dataclass
 from typing import Callable, Optional, Protocol
 
 from engine.scheduler import Scheduler
 from engine.step_loop import PREFILL_TIMED_MIN_TOKENS
+from pool.host_cache import HostAdapterCache
 from pool.memory_pool import LoRAMemoryPool, batch_order
 from pool.shapes import LoRAModelShape
 from routing.load_timings import LoadTimings
@@ -56,42 +58,12 @@ class Loop(Protocol):
     def request_finished(self, req: SimRequest) -> None: ...
 
 
-class HostTier:
-    """LRU by bytes, as ``pool.host_cache.HostAdapterCache`` (which needs real tensors to size entries)."""
+@dataclass(frozen=True)
+class SimulatedAdapter:
+    """A host-tier entry with no tensors: its size is all ``pool.host_cache.HostAdapterCache`` reads, so
+    the simulated replica keeps its host tier in that same class and evicts exactly as a live one."""
 
-    def __init__(self, budget: float):
-        self.budget, self.used = budget, 0.0
-        self.entries: OrderedDict[str, float] = OrderedDict()
-
-    def has(self, uid: str) -> bool:
-        """Whether ``uid`` is here (a use: it becomes the most recent)."""
-        if uid in self.entries:
-            self.entries.move_to_end(uid)
-            return True
-        return False
-
-    def put(self, uid: str, nbytes: float) -> None:
-        """``uid`` was read from disk: keep it, evicting the least recently used (not kept if too big)."""
-        if uid in self.entries:
-            self.entries.move_to_end(uid)
-            return
-        if nbytes <= self.budget:
-            while self.entries and self.used + nbytes > self.budget:
-                self.used -= self.entries.popitem(last=False)[1]
-            self.entries[uid] = nbytes
-            self.used += nbytes
-
-    def remove(self, uid: str) -> None:
-        nbytes = self.entries.pop(uid, None)
-        if nbytes is not None:
-            self.used -= nbytes
-
-    def fetch(self, uid: str, nbytes: float) -> bool:
-        """Whether ``uid`` was here; a miss reads it in (a warm start or a prefetch)."""
-        if self.has(uid):
-            return True
-        self.put(uid, nbytes)
-        return False
+    nbytes: float
 
 
 class SimReplica:
@@ -111,7 +83,8 @@ class SimReplica:
         self.sched: Scheduler[SimRequest] = Scheduler(pool.validate_lora_batch, lambda u: u in pool.pinned,
                                                       config.max_batch, config.max_bypass_steps,
                                                       max_num_batched_tokens=self.costs.token_budget)
-        self.host = HostTier(self.costs.host_cache_bytes)
+        self.host: HostAdapterCache[SimulatedAdapter] = HostAdapterCache(self.costs.host_cache_bytes,
+                                                                         pin_memory=False)
         self.reading: dict[str, list[SimRequest]] = {}   # uid -> requests waiting for its disk read
         self.read_threads: Optional[int] = config.read_threads  # reads at once (None: no limit)
         self._reads_running = 0
@@ -154,7 +127,7 @@ class SimReplica:
         uid = req.uid
         if uid in self.reading:
             self.reading[uid].append(req)
-        elif self.pool.is_resident(uid) or self.host.has(uid):
+        elif self.pool.is_resident(uid) or self.host.get(uid) is not None:
             self.submit(req)
         else:
             self.reading[uid] = [req]
@@ -172,12 +145,12 @@ class SimReplica:
         slot, but a pool under traffic has none (the difference is left out)."""
         self.pool.keep(planned if kept is None else kept)
         todo = prefetches(planned, self.planned, resident={u for u in planned if self.pool.is_resident(u)},
-                          staged={u for u in planned if u in self.host.entries or u in self.reading},
+                          staged={u for u in planned if u in self.host or u in self.reading},
                           free_slots=self.pool.snapshot().free_slots if at_once else 0)
         for item in todo:
             if at_once:
                 self.warm(item.name, into_slot=item.into_slot)
-            elif item.name not in self.reading and item.name not in self.host.entries:
+            elif item.name not in self.reading and item.name not in self.host:
                 self.reading[item.name] = []
                 self._read(item.name, None)
         self.planned = set(planned)
@@ -186,14 +159,25 @@ class SimReplica:
         """Before traffic (a warm start or a deploy-time prefetch): read ``uid`` into the host tier and, with
         ``into_slot``, copy it into a slot, at once; timed as the live worker times them (its load prices)."""
         rank = self.ranks[uid]
-        if uid not in self.host.entries:
+        if uid not in self.host:
             self.timings.observe_disk(self.costs.disk_read_s(rank))
-            self.host.put(uid, self.costs.adapter_bytes(rank))
+            self.keep_on_host(uid)
         if into_slot and not self.pool.is_resident(uid):
             self.pool.prepare_lora_batch({uid})
             self.pool.release_batch()
             self.copies += 1
             self.copy_s += self.costs.host_copy_s(rank)
+
+    def keep_on_host(self, uid: str) -> None:
+        """``uid`` was read from disk: the host tier keeps it (evicting its least recently used)."""
+        self.host.put(uid, SimulatedAdapter(self.costs.adapter_bytes(self.ranks[uid])))
+
+    def fetch_to_host(self, uid: str) -> bool:
+        """Whether ``uid`` was in the host tier (a use); a miss reads it in at once (a warm start or rehoming)."""
+        if self.host.get(uid) is not None:
+            return True
+        self.keep_on_host(uid)
+        return False
 
     def _read(self, uid: str, req: Optional[SimRequest]) -> None:
         """A disk read into the host tier, off the engine thread; its waiters are submitted when it ends.
@@ -217,7 +201,7 @@ class SimReplica:
     def _read_done(self, uid: str, asked: float) -> None:
         self._reads_running -= 1
         self.timings.observe_disk(self.loop.now - asked)  # as the worker times it: the wait for a thread too
-        self.host.put(uid, self.costs.adapter_bytes(self.ranks[uid]))
+        self.keep_on_host(uid)
         waiters = self.reading.pop(uid, ())
         for req in waiters:
             self.submit(req)
@@ -232,7 +216,7 @@ class SimReplica:
         where the adapter is host-cached or being read, else a disk read; both as measured here)."""
         self.timings.observe_pool(self.copies, self.copy_s)
         self.timings.observe_prefill(*self.prefill_timed)
-        return {"queue_len": len(self.sched), "host_cached": sorted(self.host.entries),
+        return {"queue_len": len(self.sched), "host_cached": sorted(self.host.uids()),
                 "loading": sorted(self.reading), "rows": self.max_batch, "load_s": self.timings.report()}
 
     # ------------------------------------------------------------------ multiplexing baseline
@@ -276,7 +260,7 @@ class SimReplica:
 
     def _mux_registered(self, req: SimRequest) -> None:
         self.models[req.uid] = None
-        self.host.put(req.uid, self.costs.adapter_bytes(self.ranks[req.uid]))
+        self.keep_on_host(req.uid)
         self.mux_loading = None
         self.submit(req)
         self._mux_pump()
@@ -334,7 +318,7 @@ class SimReplica:
             stall += seconds
             self.copies += 1
             self.copy_s += seconds
-            self.host.has(uid)
+            self.host.get(uid)  # the copy is a use of its host copy (LRU order), as live
             first = next((r for r in admitted if r.uid == uid), None)  # the request whose admission needed it
             if first is not None:
                 first.loaded, first.load_s = True, first.load_s + seconds
@@ -357,7 +341,7 @@ class SimReplica:
     def _restage(self, admitted: list[SimRequest]) -> None:
         """An admitted adapter the host tier dropped since its submission: the request goes back to the
         queue's front and the adapter is read in the background (``LoRAEngine._prepare_slots``)."""
-        lost = {r.uid for r in admitted if not self.pool.is_resident(r.uid) and r.uid not in self.host.entries}
+        lost = {r.uid for r in admitted if not self.pool.is_resident(r.uid) and r.uid not in self.host}
         if not lost:
             return
         culprits = [r for r in admitted if r.uid in lost]

@@ -77,7 +77,7 @@ def add_replica(sim: Simulator, warm: bool, joins: list[Join]) -> SimReplica:
             replica.pool.release_batch()
         for uid in (*slots, *host):
             rank = sim.ranks[uid]
-            replica.host.fetch(uid, costs.adapter_bytes(rank))
+            replica.fetch_to_host(uid)
             seconds += costs.load_seconds(rank, from_host=False)
     joins.append(Join(replica.idx, sim.now, sim.now + seconds, len(slots), len(host)))
     joined = sim.now + seconds
@@ -100,8 +100,8 @@ def _stage_standby_after_join(sim: Simulator, replica: SimReplica, joined: float
         t += costs.disk_read_s(sim.ranks[uid])
 
         def stage(uid: str = uid) -> None:
-            if not replica.pool.is_resident(uid) and uid not in replica.host.entries \
-                    and replica.host.used < share * replica.host.budget:
+            if not replica.pool.is_resident(uid) and uid not in replica.host \
+                    and replica.host.stats.bytes_used < share * replica.host.budget_bytes:
                 replica.warm(uid, into_slot=False)
         sim.at(t, stage)
 
@@ -173,9 +173,9 @@ def stage_standby(replica: SimReplica, replica_ids: Sequence[str], registered: S
     live workers read theirs during the deploy, seconds before the replay's first request)."""
     staged = 0
     for uid in standby_names(replica.rid, replica_ids, registered):
-        if replica.pool.is_resident(uid) or uid in replica.host.entries:
+        if replica.pool.is_resident(uid) or uid in replica.host:
             continue
-        if replica.host.used >= share * replica.host.budget:
+        if replica.host.stats.bytes_used >= share * replica.host.budget_bytes:
             break
         replica.warm(uid, into_slot=False)
         staged += 1
@@ -194,12 +194,11 @@ def remove_replica(sim: Simulator, warm: bool) -> SimReplica:
     gone = sim.replicas[sim.routable[-1]]
     sim.set_routable(sim.routable[:-1])
     if warm:
-        costs = sim.config.costs
         by_rid = {sim.replicas[i].rid: sim.replicas[i] for i in sim.routable}
         held = _holders(sim)
         for rid, uids in rehome_targets(list(gone.pool.uid_to_slot), list(by_rid), held).items():
             for uid in uids:
-                by_rid[rid].host.fetch(uid, costs.adapter_bytes(sim.ranks[uid]))
+                by_rid[rid].fetch_to_host(uid)
     return gone
 
 
