@@ -309,7 +309,7 @@ def routing_live_check(path: str, live: dict) -> tuple[list[dict], int, int]:
     print()
     common.print_table(rows, ["setting", "cost", "concurrency", "variant", "live_req_per_s", "sim_req_per_s",
                               "live_p50_ms", "sim_p50_ms", "live_p99_ms", "sim_p99_ms", "sim_loads_per_1k",
-                              "engine_share"], floatfmt=".1f",
+                              "live_workers_cpu_ms", "sim_workers_cpu_ms", "engine_share"], floatfmt=".1f",
                        title=f"== the live fleet in simulation ({path}): engine step {1e3 * step_base:.2f} ms + "
                              f"{1e3 * step_per_seq:.3f} ms per running request (measured here), each variant's "
                              f"control-plane CPU per request from the run, on {CpuFleetConfig().cores:g} shared cores")

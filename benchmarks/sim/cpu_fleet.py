@@ -46,6 +46,7 @@ from .costs import CostModel
 from .events import EventLoop
 from .feed import DirectoryFeed
 from .routers import ROUTERS
+from .serve_routing import ServeRoutingTasks
 
 VARIANT_ROUTER = {"affinity": "affinity", "multiplexed": "multiplex", "pow2": "pow2"}
 
@@ -92,6 +93,7 @@ class CpuFleetResult:
     p99_ms: float
     loads: int
     engine_share: float   # mean share of a core each busy engine got
+    workers_cpu_ms: float = 0.0  # the workers' CPU per request (steps, loads, per-request work): live's column
 
 
 class _Client:
@@ -151,8 +153,15 @@ class CpuFleet(EventLoop):
         self.routing_tasks = 2 * cfg.replicas
         if self.router.waits_for_capacity:
             self.routing_tasks = max(self.routing_tasks, DEFAULT_SETTINGS.max_routing_tasks)
+            self.serve_tasks: Optional[ServeRoutingTasks] = None
+        else:  # Serve's own routers: its routing loop, backoff and hand-over as they are
+            self.serve_tasks = ServeRoutingTasks(
+                self, cfg.replicas, lambda req: self.router.route(req, self.now), self._dispatch,
+                self.config.backoff_initial_s, self.config.backoff_max_s,
+                model_id=(lambda req: req.uid) if cfg.variant == "multiplexed" else None)
         self.cpu_log: deque[tuple[float, float]] = deque()  # (time, control-plane CPU seconds spent)
         self.share_sum = self.share_n = 0.0
+        self.workers_cpu_s = 0.0
         self.loads = 0
         self.done = 0
         self._model_ids: Optional[list[frozenset[str]]] = None
@@ -187,7 +196,10 @@ class CpuFleet(EventLoop):
         self.at(self.now + cpu.router_s * contention, self._arrive, req)
 
     def _arrive(self, req: SimRequest) -> None:
-        """Serve queues requests FIFO and routes at most ``routing_tasks`` of them at a time."""
+        """The affinity router (as Serve hands it requests) takes at most ``routing_tasks`` at a time."""
+        if self.serve_tasks is not None:
+            self.serve_tasks.arrive(req)
+            return
         self.pending.append(req)
         self._pump()
 
@@ -207,10 +219,8 @@ class CpuFleet(EventLoop):
             self._pump()
             return
         req.attempt += 1
-        if not self.router.waits_for_capacity:  # Serve's backoff: 25 ms doubling to 0.5 s
-            delay = min(self.config.backoff_initial_s * 2 ** (req.attempt - 1), self.config.backoff_max_s)
-            self.at(self.now + delay, self._route, req)
-        # the affinity router (one here) waits: woken by a completion (``_finish``), as live; no polling
+        # the affinity router waits: woken by a completion (``_finish``), as live; no polling (Serve's own
+        # routers never come here: ``serve_routing.ServeRoutingTasks`` places their requests)
 
     def _dispatch(self, req: SimRequest, idx: int) -> None:
         req.replica = idx
@@ -251,6 +261,7 @@ class CpuFleet(EventLoop):
         for req in running:
             replica.tokens[req.i] -= 1
         cpu = cfg.step_base_s + cfg.step_per_seq_s * len(running) + cfg.control.replica_s * len(admitted)
+        self.workers_cpu_s += cpu + stall
         self.at(self.now + cpu / share + stall, self._step, replica)
 
     def _read(self, replica: _Replica, uid: str) -> float:
@@ -322,7 +333,7 @@ class CpuFleet(EventLoop):
         del started
         return CpuFleetResult(self.cfg.variant, self.concurrency, n, n / wall if wall > 0 else float("nan"),
                               float(np.percentile(lat, 50)), float(np.percentile(lat, 99)), self.loads,
-                              self.share_sum / max(1, self.share_n))
+                              self.share_sum / max(1, self.share_n), 1000.0 * self.workers_cpu_s / max(1, n))
 
 
 def run_cpu_fleet(requests: list[tuple[str, str, int]], concurrency: int, cfg: CpuFleetConfig,
@@ -336,7 +347,7 @@ def run_cpu_fleet(requests: list[tuple[str, str, int]], concurrency: int, cfg: C
         wall = max(r.t_done for r in measured) - min(r.arrival for r in measured)
         result = CpuFleetResult(cfg.variant, concurrency, len(measured), len(measured) / wall,
                                 float(np.percentile(lat, 50)), float(np.percentile(lat, 99)),
-                                result.loads, result.engine_share)
+                                result.loads, result.engine_share, result.workers_cpu_ms)
     return result
 
 

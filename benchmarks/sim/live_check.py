@@ -73,11 +73,12 @@ def simulate_live(live: dict, step_base_s: float, step_per_seq_s: float) -> list
             out.append({"setting": setting_name, "cost": cost, "concurrency": c, "variant": variant,
                         "sim_req_per_s": result.req_per_s, "sim_p50_ms": result.p50_ms, "sim_p99_ms": result.p99_ms,
                         "sim_loads_per_1k": 1000.0 * result.loads / (len(requests) + len(warmup)),
-                        "engine_share": result.engine_share})
+                        "engine_share": result.engine_share, "sim_workers_cpu_ms": result.workers_cpu_ms})
     live_by = {(r["setting"], r["cost"], r["concurrency"], r["variant"]): r for r in rows}
     for r in out:
         lr = live_by[(r["setting"], r["cost"], r["concurrency"], r["variant"])]
-        r.update(live_req_per_s=lr["req_per_s"], live_p50_ms=lr["p50_ms"], live_p99_ms=lr["p99_ms"])
+        r.update(live_req_per_s=lr["req_per_s"], live_p50_ms=lr["p50_ms"], live_p99_ms=lr["p99_ms"],
+                 live_workers_cpu_ms=lr.get("workers_cpu_ms"))
     return out
 
 
