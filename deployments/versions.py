@@ -81,7 +81,7 @@ class VersionedFleetAdmin(FleetAdmin):
                               version=label, version_of=name, traffic=0, max_concurrency=first.max_concurrency,
                               requests_per_s=first.requests_per_s)
         stored = await self.directory.put_adapter.remote(entry.to_dict())
-        await self.registry.refresh()
+        await self.registry.merge([stored])   # the entry as stored (ours, or a concurrent one): no re-read
         if stored["uid"] != uid:
             raise AdapterExistsError(f"adapter {name!r} got a version {label!r} concurrently")
         return stored
