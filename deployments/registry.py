@@ -84,6 +84,18 @@ class RegistryFollower:
     async def refresh(self) -> None:
         await self.apply(await self.directory.get_registry.remote(-1, 0.0))
 
+    async def merge(self, written: list[dict], removed: tuple[str, ...] = ()) -> None:
+        """Apply this replica's own acknowledged write (the entries ``write_entries`` returned, the names it
+        removed) to the copy at once, without a round trip: a rollout's traffic change must read its own
+        write without a second directory call (the long poll brings the same write again; applying it
+        twice changes nothing). A new dict, as ``apply`` makes: readers detect a change by identity."""
+        old = self.entries
+        entries = {n: e for n, e in old.items() if n not in removed}
+        entries.update((d["name"], RegistryEntry.from_dict(d)) for d in written)
+        self.entries = entries
+        if self.on_change is not None:
+            await self.on_change(old, self.entries)
+
     async def run(self) -> None:
         import asyncio
         import logging

@@ -25,10 +25,15 @@ from routing.identity import mint_uid
 
 from .config import AdapterSpec
 from .fleet_admin import FleetAdmin
-from .registry import RegistryEntry
+from .http_errors import unwrap
+from .registry import RegistryConflictError, RegistryEntry
 from .traffic_split import check_label, check_split, families, label_of, version_entry_name, weights
 
 PREWARM_POLL_S = 0.2  # how often a traffic PUT reads the view while versions warm
+
+
+class _ReadFirst(Exception):
+    """A split starts a version: its pre-warm plans on the registry as read now, not on the copy."""
 
 
 class VersionedFleetAdmin(FleetAdmin):
@@ -76,20 +81,40 @@ class VersionedFleetAdmin(FleetAdmin):
                               version=label, version_of=name, traffic=0, max_concurrency=first.max_concurrency,
                               requests_per_s=first.requests_per_s)
         stored = await self.directory.put_adapter.remote(entry.to_dict())
-        await self.registry.refresh()
+        await self.registry.merge([stored])   # the entry as stored (ours, or a concurrent one): no re-read
         if stored["uid"] != uid:
             raise AdapterExistsError(f"adapter {name!r} got a version {label!r} concurrently")
         return stored
 
     async def set_traffic(self, name: str, split: dict[str, int]) -> dict:
         """Pre-warm versions about to get their first traffic, then publish the split in one
-        compare-and-set write (409 if the family changed meanwhile); versions now at 0% retire later."""
-        await self.registry.refresh()
+        compare-and-set write (409 if the family changed meanwhile); versions now at 0% retire later.
+
+        A split that starts no version (10% -> 50% -> 100%) is computed from this ingress's registry
+        copy and written in one directory call, whose result is applied to the copy: the write's
+        compare-and-set on every entry of the name is the freshness check, so the read before it and
+        the refresh after it were two more directory calls spent while traffic runs, on the CPU the
+        requests in flight share (each call costs the ingress, its router thread and the directory). A copy found stale (a conflict, an unknown
+        version) is refreshed and the split tried once more, as the read-first path would have seen it."""
+        try:
+            return await self._set_traffic(name, split, fresh=False)
+        except Exception as exc:
+            if not isinstance(unwrap(exc), (_ReadFirst, RegistryConflictError, AdapterNotFoundError)):
+                raise   # (from the copy's attempt only: nothing was written, so trying again is safe)
+        return await self._set_traffic(name, split, fresh=True)
+
+    async def _set_traffic(self, name: str, split: dict[str, int], fresh: bool) -> dict:
+        """One attempt; ``fresh``: read the registry first (always so when a version starts: pre-warm
+        plans on the current family, and it takes seconds anyway)."""
+        if fresh:
+            await self.registry.refresh()
         family = self._family_or_404(name)
         new = check_split(split, family)
         old = weights(family)
         by_label = {label_of(e): e for e in family}
         starting = [label for label in new if new[label] > 0 and old[label] == 0]
+        if starting and not fresh:
+            raise _ReadFirst(name)
         serving = [e for e in family if old[label_of(e)] > 0]
         warmed = await asyncio.gather(*(self.prewarm(by_label[label], serving) for label in starting))
         generations = {e.name: e.generation for e in family}
@@ -109,8 +134,8 @@ class VersionedFleetAdmin(FleetAdmin):
                 updates.append({**entry.to_dict(), "traffic": new[label], "retire_at": when})
         removed = tuple(by_label[label].name for label in retiring) if self.retire_grace_s == 0 else ()
         if updates or removed:  # one write: no moment has every version at 0%, and a concurrent split gets a 409
-            await self.directory.write_entries.remote(updates, generations, removed)
-        await self.registry.refresh()
+            written = await self.directory.write_entries.remote(updates, generations, removed)
+            await self.registry.merge(written, removed)   # this ingress reads its own write at once
         prewarmed = {label: outcome for label, (outcome, _) in zip(starting, warmed)}
         return {"name": name, "traffic": new, "prewarmed": prewarmed, "retired": retiring,
                 "retire_in_s": self.retire_grace_s if retiring else None}

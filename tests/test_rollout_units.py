@@ -10,7 +10,7 @@ import pytest
 
 from deployments.config import AdapterSpec
 from deployments.http_errors import HTTPError
-from deployments.registry import RegistryEntry
+from deployments.registry import RegistryEntry, RegistryFollower
 from deployments.resolvers import AdapterResolver, LookupLimiter
 from deployments.traffic_split import check_label, check_split, families, label_of, pick, weights
 from engine.errors import AdapterExistsError, InvalidRequestError
@@ -35,6 +35,30 @@ def test_versions_group_under_the_requested_name_first_registration_first():
     assert [label_of(e) for e in fams["support"]] == ["v1", "v2"]
     assert weights(fams["support"]) == {"v1": 100, "v2": 0}
     assert set(fams) == {"support", "other"}
+
+
+def test_a_traffic_write_is_read_back_from_its_own_result_without_a_directory_call():
+    """``RegistryFollower.merge``: a rollout's split is applied to the ingress's copy from the write's own
+    result (no refresh round trip): written entries replace theirs, removed names go, others stay, the copy
+    is a new dict (the gate re-groups families on identity) and the change hook sees old and new."""
+    follower = RegistryFollower(directory=None)
+    v1, v2, other = entry("a", 1, traffic=50), entry("a@v2", 2, "v2", "a", 50), entry("b", 3)
+    follower.entries = {e.name: e for e in (v1, v2, other)}
+    seen = []
+
+    async def hook(old, new):
+        seen.append((set(old), set(new)))
+
+    follower.on_change = hook
+    before = follower.entries
+    written = {**v2.to_dict(), "traffic": 100, "generation": 7}
+    asyncio.run(follower.merge([written], removed=("a",)))
+    assert follower.entries is not before
+    assert set(follower.entries) == {"a@v2", "b"}
+    assert follower.entries["a@v2"].traffic == 100 and follower.entries["a@v2"].generation == 7
+    assert follower.entries["b"] is other
+    assert seen == [({"a", "a@v2", "b"}, {"a@v2", "b"})]
+    assert weights(families(follower.entries.values())["a"]) == {"v2": 100}
 
 
 def test_pick_follows_the_split():
