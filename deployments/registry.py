@@ -84,14 +84,21 @@ class RegistryFollower:
     async def refresh(self) -> None:
         await self.apply(await self.directory.get_registry.remote(-1, 0.0))
 
-    async def merge(self, written: list[dict], removed: tuple[str, ...] = ()) -> None:
-        """Apply this replica's own acknowledged write (the entries ``write_entries`` returned, the names it
-        removed) to the copy at once, without a round trip: a rollout's traffic change must read its own
-        write without a second directory call (the long poll brings the same write again; applying it
-        twice changes nothing). A new dict, as ``apply`` makes: readers detect a change by identity."""
+    async def merge(self, written: list[dict], removed: Optional[dict[str, str]] = None) -> None:
+        """Apply this replica's own acknowledged write (the entries ``write_entries`` returned; the names it
+        removed, each with the uid it removed) to the copy at once, without a round trip: a rollout's traffic
+        change must read its own write without a second directory call. The long poll may already have
+        brought something newer (another ingress's later write): an entry is kept where the copy holds its
+        uid at a higher generation or holds another uid (a re-registration), a removed name goes only while
+        the copy still holds the uid that was removed. A new dict, as ``apply`` makes: readers detect a
+        change by identity."""
         old = self.entries
-        entries = {n: e for n, e in old.items() if n not in removed}
-        entries.update((d["name"], RegistryEntry.from_dict(d)) for d in written)
+        removed = removed or {}
+        entries = {n: e for n, e in old.items() if removed.get(n) != e.uid}
+        for d in written:
+            held = entries.get(d["name"])
+            if held is None or (held.uid == d["uid"] and held.generation <= d["generation"]):
+                entries[d["name"]] = RegistryEntry.from_dict(d)
         self.entries = entries
         if self.on_change is not None:
             await self.on_change(old, self.entries)

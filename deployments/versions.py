@@ -94,8 +94,9 @@ class VersionedFleetAdmin(FleetAdmin):
         copy and written in one directory call, whose result is applied to the copy: the write's
         compare-and-set on every entry of the name is the freshness check, so the read before it and
         the refresh after it were two more directory calls spent while traffic runs, on the CPU the
-        requests in flight share (each call costs the ingress, its router thread and the directory). A copy found stale (a conflict, an unknown
-        version) is refreshed and the split tried once more, as the read-first path would have seen it."""
+        requests in flight share (each call costs the ingress, its router thread and the directory). A
+        copy found stale (a conflict, an unknown version) is refreshed and the split tried once more, as
+        the read-first path would have seen it."""
         try:
             return await self._set_traffic(name, split, fresh=False)
         except Exception as exc:
@@ -135,7 +136,8 @@ class VersionedFleetAdmin(FleetAdmin):
         removed = tuple(by_label[label].name for label in retiring) if self.retire_grace_s == 0 else ()
         if updates or removed:  # one write: no moment has every version at 0%, and a concurrent split gets a 409
             written = await self.directory.write_entries.remote(updates, generations, removed)
-            await self.registry.merge(written, removed)   # this ingress reads its own write at once
+            gone = {by_label[label].name: by_label[label].uid for label in retiring} if removed else {}
+            await self.registry.merge(written, gone)  # this ingress reads its own write at once
         prewarmed = {label: outcome for label, (outcome, _) in zip(starting, warmed)}
         return {"name": name, "traffic": new, "prewarmed": prewarmed, "retired": retiring,
                 "retire_in_s": self.retire_grace_s if retiring else None}

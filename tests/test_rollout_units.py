@@ -52,13 +52,29 @@ def test_a_traffic_write_is_read_back_from_its_own_result_without_a_directory_ca
     follower.on_change = hook
     before = follower.entries
     written = {**v2.to_dict(), "traffic": 100, "generation": 7}
-    asyncio.run(follower.merge([written], removed=("a",)))
+    asyncio.run(follower.merge([written], removed={"a": v1.uid}))
     assert follower.entries is not before
     assert set(follower.entries) == {"a@v2", "b"}
     assert follower.entries["a@v2"].traffic == 100 and follower.entries["a@v2"].generation == 7
     assert follower.entries["b"] is other
     assert seen == [({"a", "a@v2", "b"}, {"a@v2", "b"})]
     assert weights(families(follower.entries.values())["a"]) == {"v2": 100}
+
+
+def test_merging_its_own_write_never_undoes_a_newer_one_the_long_poll_already_brought():
+    """Another ingress wrote after this one and the long poll delivered it before this write's reply was
+    merged: the newer generation stays, and a name re-registered since this write removed it stays too."""
+    follower = RegistryFollower(directory=None)
+    newer_v2 = RegistryEntry.from_dict({**entry("a@v2", 2, "v2", "a", 30).to_dict(), "generation": 9})
+    again = RegistryEntry.from_dict({**entry("a", 5, traffic=70).to_dict(), "generation": 1})  # a new uid
+    follower.entries = {"a@v2": newer_v2, "a": again}
+    mine = {**entry("a@v2", 2, "v2", "a", 100).to_dict(), "generation": 8}
+    asyncio.run(follower.merge([mine], removed={"a": "a@1"}))    # this write removed a's first registration
+    assert follower.entries["a@v2"] is newer_v2 and follower.entries["a"] is again
+    replaced = {**entry("b", 6).to_dict(), "generation": 2}     # an entry re-registered since it was read
+    follower.entries = {"b": RegistryEntry.from_dict({**entry("b", 7).to_dict(), "generation": 1})}
+    asyncio.run(follower.merge([replaced]))
+    assert follower.entries["b"].uid == "b@7"
 
 
 def test_pick_follows_the_split():
