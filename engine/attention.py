@@ -3,7 +3,8 @@
 Two backends read a step's ``StepLayout`` (``engine.attention_layout``):
 
 - ``TorchPagedAttention`` (CPU, and CUDA without FlashInfer): decode rows gather their
-  blocks with one ``index_select`` per layer for K and one for V, then attend with two
+  blocks with one ``index_select`` per layer for K and one for V (as rows of a block's
+  values, ``PagedKVCache.gather_rows``, the row ids computed once per step), then attend with two
   batched matmuls (batch = KV head x request, the query heads sharing a KV head as its
   rows: grouped-query attention without repeating K/V) and an additive mask. A prefill
   from position 0 attends to its own fresh K/V (no gather); one that continues a cached
@@ -60,7 +61,7 @@ class TorchPagedAttention:
             if start == 0:
                 keys, values = k[off:off + n].transpose(0, 1), v[off:off + n].transpose(0, 1)   # fresh K/V
             else:
-                keys, values = self.cache.gather(layer, layout.prefill_gather(i))
+                keys, values = self.cache.gather_rows(layer, layout.prefill_rows(i, self.cache))
                 keys, values = keys[:, :total], values[:, :total]
             keys, values = keys[None], values[None]                        # [1, KV, total, hd]
             if start == 0 and not window:
@@ -80,7 +81,7 @@ class TorchPagedAttention:
         """Attention of one group of decode rows (``qd``: their queries, [B, heads, head_dim]): [B, heads * head_dim]."""
         KV, G, hd = self.num_kv_heads, self.group, self.head_dim
         B = dec.blocks.shape[0]
-        keys, values = self.cache.gather(layer, dec.blocks.view(-1))           # [KV, B * span, hd]
+        keys, values = self.cache.gather_rows(layer, dec.rows(self.cache))     # [KV, B * span, hd]
         keys = keys.view(KV * B, dec.span, hd)
         values = values.view(KV * B, dec.span, hd)
         qd = qd.reshape(B, KV, G, hd).transpose(0, 1).reshape(KV * B, G, hd)

@@ -63,6 +63,7 @@ class StepLayout:
         if len(group_seqs) == 1 and group_seqs[0] == list(range(len(counts))) and not self.prefill_seqs:
             self.decode_groups[0].all_rows = True
         self._prefill_gathers: dict[int, torch.Tensor] = {}
+        self._prefill_rows: dict[tuple[int, int], torch.Tensor] = {}  # (sequence, id of the cache) -> row ids
 
     @property
     def slots(self) -> torch.Tensor:
@@ -80,6 +81,13 @@ class StepLayout:
             nb = -(-self.kv_lens[i] // self.block_size)
             self._prefill_gathers[i] = torch.tensor(list(self.tables[i][:nb]), dtype=torch.long, device=self.device)
         return self._prefill_gathers[i]
+
+    def prefill_rows(self, i: int, cache) -> torch.Tensor:
+        """``cache.block_rows`` of ``prefill_gather(i)``, computed once per step for every layer."""
+        key = (i, id(cache))
+        if key not in self._prefill_rows:
+            self._prefill_rows[key] = cache.block_rows(self.prefill_gather(i))
+        return self._prefill_rows[key]
 
 
 PADDING_FACTOR = 2  # a group of decode rows gathers at most this many times the blocks its rows hold
@@ -128,6 +136,13 @@ class _DecodeGather:
         self.span = self.blocks.shape[1] * layout.block_size
         self._masks: dict[Optional[int], torch.Tensor] = {}
         self._biases: dict[tuple, torch.Tensor] = {}
+        self._rows: Optional[tuple[object, torch.Tensor]] = None  # (the cache they index, the row ids)
+
+    def rows(self, cache) -> torch.Tensor:
+        """``cache.block_rows`` of the padded blocks, computed on first use and shared by the step's layers."""
+        if self._rows is None or self._rows[0] is not cache:
+            self._rows = (cache, cache.block_rows(self.blocks.view(-1)))
+        return self._rows[1]
 
     def mask(self, window: Optional[int]) -> torch.Tensor:
         """[B, span] booleans: key position < length (and within the window)."""
