@@ -196,7 +196,8 @@ class CpuFleet(EventLoop):
         self.at(self.now + cpu.router_s * contention, self._arrive, req)
 
     def _arrive(self, req: SimRequest) -> None:
-        """The affinity router (as Serve hands it requests) takes at most ``routing_tasks`` at a time."""
+        """Serve's own routers queue the request in their routing loop (``ServeRoutingTasks``); the affinity
+        router takes at most ``routing_tasks`` requests at a time."""
         if self.serve_tasks is not None:
             self.serve_tasks.arrive(req)
             return

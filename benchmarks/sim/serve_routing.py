@@ -4,7 +4,9 @@ Why: live, Serve's default router at concurrency 64 on two replicas left both co
 and its engines idle most of the time while 48 requests waited in the router (``routing_live``,
 pow2: 21.5 req/s; the same run with Serve's retry backoff cut to 2-10 ms: 51.6 req/s). A model
 that backs off per request and hands each found replica to the request that found it served
-49.7 req/s: the idle time is in how Serve's loop sleeps, so the model follows that loop:
+49.7 req/s: the idle time is in how Serve's loop sleeps, so the model follows that loop (at a fixed
+engine cost this alone takes pow2 from 50.8 to 44.0 req/s against 26.2 live; the replicas' refusals
+and the probes that miss their deadline, ``docs/design.md``, are not modelled yet):
 
 - At most ``min(50, 2 x replicas, pending)`` routing tasks; each takes the oldest request no task
   has taken yet and tries to place it (one ``router.route`` call per try).
