@@ -62,7 +62,6 @@ class StepLayout:
         self.decode_groups = [_DecodeGather(self, seqs, views[3 + 3 * g:6 + 3 * g]) for g, seqs in enumerate(group_seqs)]
         if len(group_seqs) == 1 and group_seqs[0] == list(range(len(counts))) and not self.prefill_seqs:
             self.decode_groups[0].all_rows = True
-        self._prefill_gathers: dict[int, torch.Tensor] = {}
         self._prefill_rows: dict[tuple[int, int], torch.Tensor] = {}  # (sequence, id of the cache) -> row ids
 
     @property
@@ -75,18 +74,14 @@ class StepLayout:
         """The first group of decode rows (None: no decode row this step)."""
         return self.decode_groups[0] if self.decode_groups else None
 
-    def prefill_gather(self, i: int) -> torch.Tensor:
-        """Block ids covering sequence i's whole context (for a prefill that continues a cached prefix)."""
-        if i not in self._prefill_gathers:
-            nb = -(-self.kv_lens[i] // self.block_size)
-            self._prefill_gathers[i] = torch.tensor(list(self.tables[i][:nb]), dtype=torch.long, device=self.device)
-        return self._prefill_gathers[i]
-
     def prefill_rows(self, i: int, cache) -> torch.Tensor:
-        """``cache.block_rows`` of ``prefill_gather(i)``, computed once per step for every layer."""
+        """``cache.block_rows`` of the blocks covering sequence i's whole context (a prefill that continues a
+        cached prefix), computed once per step for every layer."""
         key = (i, id(cache))
         if key not in self._prefill_rows:
-            self._prefill_rows[key] = cache.block_rows(self.prefill_gather(i))
+            nb = -(-self.kv_lens[i] // self.block_size)
+            blocks = torch.tensor(list(self.tables[i][:nb]), dtype=torch.long, device=self.device)
+            self._prefill_rows[key] = cache.block_rows(blocks)
         return self._prefill_rows[key]
 
 

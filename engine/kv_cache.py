@@ -137,7 +137,3 @@ class PagedKVCache:
         k = self.k[layer].view(-1, width).index_select(0, rows).view(shape)
         v = self.v[layer].view(-1, width).index_select(0, rows).view(shape)
         return k, v
-
-    def gather(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of ``blocks`` (flat ids) in order: ``[kv_heads, len(blocks) * block_size, head_dim]``."""
-        return self.gather_rows(layer, self.block_rows(blocks))

@@ -157,7 +157,7 @@ def test_paged_attention_matches_dense_attention(window, layout):
     v_new = torch.cat([v[c:] for (c, _), v in zip(shapes, vcontexts)])
     q = torch.randn(layout.num_tokens, H, hd)
     cache.write(0, layout.write_blocks, layout.write_offsets, k_new, v_new)
-    attention = TorchPagedAttention(cache, H, KV, hd)  # reads either layout through cache.gather
+    attention = TorchPagedAttention(cache, H, KV, hd)  # reads either layout through cache.gather_rows
     attention.begin_step(layout, [window], 0.3)
     out = attention(0, q, k_new, v_new, layout, window, 0.3)
     for i, (c, n) in enumerate(shapes):
