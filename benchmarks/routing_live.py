@@ -55,6 +55,7 @@ from typing import Optional
 import numpy as np
 
 from . import common
+from .live.imbalance import busiest_share
 from .traces import Popularity, make_trace
 
 APP_PREFIX = "routing-live"
@@ -227,6 +228,7 @@ def run_clients(clients: list, requests: list, concurrency: int, stream: bool = 
     return {"latencies": [x for r in results for x in r["latencies"]],
             "ttfts": [x for r in results for x in r["ttfts"]],
             "replicas": [x for r in results for x in r["replicas"]],
+            "sent_at": [x for r in results for x in r["sent_at"]],
             "errors": [x for r in results for x in r["errors"]],
             # each router's own median: with several routers, whether one's requests wait while another's run
             "router_p50_ms": [round(1000.0 * float(np.median(r["latencies"])), 1) if r["latencies"] else None
@@ -264,6 +266,8 @@ def measure_row(variant: Variant, meter, setting: Setting, cost: str, concurrenc
         "metrics_agent_cpu_ms": per_request(cpu.get("metrics_agent", 0.0)),
         "workers_cpu_ms": per_request(cpu.get(f"{variant.app}/{variant.deployment}", 0.0)),
         "per_replica": "/".join(str(c) for c in sorted(per_replica.values(), reverse=True)),
+        # the busiest replica's share (%) of the outstanding requests, p90 over send instants: the closed loop's drift
+        "busiest_pct": _percent(busiest_share(result["sent_at"], result["latencies"], result["replicas"])),
         "errors": len(result["errors"]),
         "spill": decisions.get("spill", 0) + decisions.get("prefill_spill", 0) if variant.name == "affinity" else None,
         "waits": decisions.get("wait", 0) if variant.name == "affinity" else None,
@@ -276,6 +280,10 @@ def measure_row(variant: Variant, meter, setting: Setting, cost: str, concurrenc
           f"{row['req_per_s']:5.1f} req/s router cpu {row['router_cpu_ms']:5.1f} ms/req errors={row['errors']}",
           flush=True)
     return row
+
+
+def _percent(share: float) -> Optional[int]:
+    return None if math.isnan(share) else round(100 * share)
 
 
 # ---------------------------------------------------------------------------- goals
@@ -476,7 +484,7 @@ def main(argv=None) -> list[dict]:
                              VARIANTS.index(r["variant"])))
     columns = ["setting", "cost", "routers", "variant", "concurrency", "requests", "loads_per_1k", "p50_ms", "p99_ms",
                "req_per_s", "router_cpu_ms", "directory_cpu_ms", "metrics_agent_cpu_ms", "workers_cpu_ms",
-               "per_replica", "spill", "waits", "router_p50_ms", "errors"]
+               "per_replica", "busiest_pct", "spill", "waits", "router_p50_ms", "errors"]
     print()
     common.print_table(rows, columns, floatfmt=".1f",
                        title=f"Live routing ({args.replicas} replicas x {args.slots} slots, warm-up excluded; "

@@ -36,6 +36,7 @@ class LoadClient:
         latencies = [0.0] * len(requests)
         ttfts = [0.0] * len(requests)
         replicas: list[Optional[str]] = [None] * len(requests)
+        sent_at = [0.0] * len(requests)  # wall clock (time.time), comparable across client processes
         errors: list[str] = []
         next_index = 0
 
@@ -59,6 +60,7 @@ class LoadClient:
                 i = next_index
                 next_index += 1
                 started = time.perf_counter()
+                sent_at[i] = time.time()
                 try:
                     result = await send(i, *requests[i], started)
                     replicas[i] = result.replica_id
@@ -69,6 +71,7 @@ class LoadClient:
         cpu, started = time.process_time(), time.perf_counter()
         await asyncio.gather(*(client() for _ in range(max(1, concurrency))))
         return {"latencies": latencies, "ttfts": ttfts if stream else [], "replicas": replicas, "errors": errors,
+                "sent_at": sent_at,
                 "wall_s": time.perf_counter() - started, "cpu_s": time.process_time() - cpu}
 
     def decisions(self) -> dict:

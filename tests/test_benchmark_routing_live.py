@@ -7,11 +7,13 @@ processes (one router each) and the multiplexing baseline.
 
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
 
 from benchmarks import routing_live as rl
+from benchmarks.live.imbalance import busiest_share
 from deployments.config import AppArgs
 from engine.engine import LoRAEngine
 from engine.request import GenerateRequest
@@ -129,3 +131,22 @@ def test_only_the_affinity_variants_workers_follow_the_plan():
     args = rl.make_parser().parse_args(["--quick"])
     follows = {name: rl.Variant(name, args, 12).parsed.replicas_follow_plan for name in rl.VARIANTS}
     assert follows == {"affinity": True, "multiplexed": False, "pow2": False}
+
+
+def test_busiest_share_even_split_reads_half_and_one_sided_reads_one():
+    # two replicas, requests alternating, all outstanding together: half each
+    sent = [0.0, 0.0, 0.0, 0.0]
+    lat = [1.0, 1.0, 1.0, 1.0]
+    assert busiest_share(sent, lat, ["a", "b", "a", "b"]) == 0.5
+    # every request on one replica: all outstanding work sits there
+    assert busiest_share(sent, lat, ["a", "a", "a", "a"]) == 1.0
+
+
+def test_busiest_share_drift_shows_in_the_upper_quantile_and_failures_are_left_out():
+    # early on balanced, later three of four outstanding requests sit on "a"
+    sent = [0.0, 0.0, 1.0, 1.5, 1.6, 1.7]
+    lat = [0.5, 0.5, 5.0, 5.0, 5.0, 0.1]
+    reps = ["a", "b", "a", "a", "b", None]
+    assert busiest_share(sent, lat, reps, quantile=100.0) == 1.0
+    assert busiest_share(sent, lat, reps, quantile=0.0) == 0.5
+    assert math.isnan(busiest_share([0.0], [1.0], [None]))
