@@ -22,6 +22,12 @@ def test_worker_options_follow_the_args():
     assert options[ROUTER].request_router_kwargs == parsed.router_kwargs() == {"tie_epsilon": 0.5}
 
 
+def test_an_engine_queue_is_admitted_beyond_the_rows_and_must_fit_the_engine():
+    assert worker_options(AppArgs(max_batch_size=8, engine_queue=2))["max_ongoing_requests"] == 10
+    with pytest.raises(ValueError, match=r"engine_queue \(9\) must not exceed max_waiting_requests \(8\)"):
+        AppArgs(engine_queue=9, max_waiting_requests=8)
+
+
 def serve_config(**options) -> DeploymentConfig:
     """Serve's own config object, as the replica reads it (``get_replica_context()._deployment_config``)."""
     return DeploymentConfig(**options)
@@ -36,7 +42,7 @@ def test_a_config_as_build_fleet_decided_passes():
 def test_a_contradicting_value_fails_naming_both_numbers():
     options = worker_options(AppArgs(max_batch_size=8))
     with pytest.raises(DerivedOptionConflict, match=r"max_ongoing_requests = 16, but build_fleet derives 8 from "
-                                                    r"args\.max_batch_size"):
+                                                    r"args\.max_batch_size \+ args\.engine_queue"):
         check_deployment("LoRAWorker", serve_config(**{**options, "max_ongoing_requests": 16}), expected(options))
     with pytest.raises(DerivedOptionConflict, match=r"graceful_shutdown_timeout_s = 150.0, but build_fleet derives 130"):
         check_deployment("LoRAWorker", serve_config(**{**options, "graceful_shutdown_timeout_s": 150}),
