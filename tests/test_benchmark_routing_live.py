@@ -150,3 +150,18 @@ def test_busiest_share_drift_shows_in_the_upper_quantile_and_failures_are_left_o
     assert busiest_share(sent, lat, reps, quantile=100.0) == 1.0
     assert busiest_share(sent, lat, reps, quantile=0.0) == 0.5
     assert math.isnan(busiest_share([0.0], [1.0], [None]))
+
+
+def test_serve_release_joins_replica_events_to_the_client_by_prompt():
+    from benchmarks.serve_release import analyse
+
+    events = [{"ev": "inc", "t": 0.0, "rid": "a"}, {"ev": "return", "t": 1.0, "rid": "a", "prompt": "pa"},
+              {"ev": "dec", "t": 1.010, "rid": "a"},                      # released 10 ms after the return
+              {"ev": "inc", "t": 0.5, "rid": "b"}, {"ev": "return", "t": 2.0, "rid": "b", "prompt": "pb"},
+              {"ev": "dec", "t": 2.002, "rid": "b"},                      # released 2 ms after
+              {"ev": "reject", "t": 0.1, "rid": "x"}, {"ev": "reject", "t": 1.5, "rid": "y"}]
+    # the client had "pa" 5 ms after its return (before the release) and "pb" 4 ms after (after it)
+    found = analyse(events, sent_at=[0.0, 0.5], latencies=[1.005, 1.504], prompts=["pa", "pb"], since=1.0)
+    assert found["joined"] == 2 and found["rejections"] == 1 and found["rejections_per_request"] == 0.5
+    assert found["released_after_client"] == 0.5
+    assert abs(found["release_p50_ms"] - 6.0) < 1e-6 and abs(found["client_p50_ms"] - 4.5) < 1e-6

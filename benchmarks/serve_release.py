@@ -1,0 +1,142 @@
+"""When a replica releases Serve's count of a request, against when its client has the result; refusals.
+
+Why: the simulator reproduces Serve's own routers at concurrency 64 only as far as it models
+what they see (issue 25): each router's cache of a replica's ongoing count is what the replica
+reported at its last accept or refusal, lowered by one at each result. This measures, live, the
+inputs a model of that needs: per request, how long after the worker's method returned the
+replica released its count (``release_ms``) and the client had the result (``client_ms``), the
+share released after the client had it, and the refusals per request (a send to a replica at
+``max_ongoing_requests``). ``routing_live``'s skew setting, cheap loads, 2 replicas, closed loop
+at ``--concurrency``, one router; the workers are ``benchmarks.live.release_log``'s.
+
+Goals are reported, not judged (a model is checked against them): ``serve_rejections_per_request``
+and ``affinity_rejections_per_request``.
+
+    python -m benchmarks.serve_release [--quick] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections import defaultdict
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from . import common
+from . import routing_live as rl
+
+
+def analyse(events: Sequence[Mapping], sent_at: Sequence[float], latencies: Sequence[float],
+            prompts: Sequence[str], since: float) -> dict:
+    """Join the replicas' events to the client's requests by prompt; see the module docstring."""
+    by_id: dict[str, dict] = defaultdict(dict)
+    returned: dict[str, str] = {}
+    rejections = 0
+    for e in events:
+        if e["ev"] == "reject":
+            rejections += e["t"] >= since
+            continue
+        by_id[e["rid"]][e["ev"]] = e["t"]
+        if e["ev"] == "return":
+            returned[e["prompt"]] = e["rid"]
+    received = {p: s + lat for p, s, lat in zip(prompts, sent_at, latencies)}
+    release, client, late = [], [], 0
+    for prompt, rid in returned.items():
+        times = by_id[rid]
+        if prompt not in received or "dec" not in times:
+            continue
+        release.append(1000.0 * (times["dec"] - times["return"]))
+        client.append(1000.0 * (received[prompt] - times["return"]))
+        late += times["dec"] > received[prompt]
+    q = (lambda xs, p: float(np.percentile(xs, p)) if xs else float("nan"))
+    return {"joined": len(release), "rejections": rejections,
+            "rejections_per_request": rejections / len(prompts) if prompts else float("nan"),
+            "release_p50_ms": q(release, 50), "release_p90_ms": q(release, 90), "release_p99_ms": q(release, 99),
+            "client_p50_ms": q(client, 50), "client_p90_ms": q(client, 90), "client_p99_ms": q(client, 99),
+            "released_after_client": late / len(release) if release else float("nan")}
+
+
+def read_events(directory: str) -> list[dict]:
+    events = []
+    for path in glob.glob(os.path.join(directory, "*.jsonl")):
+        with open(path, encoding="utf-8") as lines:
+            events += [json.loads(line) for line in lines]
+    return events
+
+
+def make_parser():
+    parser = rl.make_parser()
+    parser.description = __doc__.split("\n\n")[0]
+    return parser
+
+
+def main(argv=None) -> list[dict]:
+    args = make_parser().parse_args(argv)
+    started = time.perf_counter()
+    import ray
+    from ray import serve
+
+    from engine.demo import ensure_demo_assets
+
+    from .live import load_cost, release_log
+
+    log_dir = tempfile.mkdtemp(prefix="lorafleet-release-")
+    os.environ[release_log.LOG_ENV] = log_dir  # the local cluster's workers inherit the driver's environment
+    load_cost.LoadCostLoRAWorker = release_log.ReleaseLogLoRAWorker  # what routing_live's Variant deploys
+    concurrency = (args.concurrency or [64])[-1]
+    n = args.requests or (300 if args.quick else 600)
+    setting = [s for s in rl.settings_for(args.replicas * args.slots, args) if s.name == "skew"][0]
+    ensure_demo_assets(num_adapters=setting.num_adapters)
+    ray.init(address="local", num_cpus=args.cpus, include_dashboard=False, log_to_driver=False,
+             configure_logging=False, runtime_env={"env_vars": {release_log.LOG_ENV: log_dir}})
+    serve.start(proxy_location="Disabled")
+    if not args.verbose:
+        logging.getLogger("ray.serve").setLevel(logging.ERROR)
+    rows = []
+    try:
+        for name in ("pow2", "affinity"):
+            variant = rl.Variant(name, args, setting.num_adapters)
+            rl.deploy_all([variant])
+            rl.run_clients(variant.ensure_clients(1), rl.build_requests(setting, 100, args.seed + 1), 8)
+            requests = rl.build_requests(setting, n, args.seed)
+            since = time.time()
+            result = rl.run_clients(variant.ensure_clients(1), requests, concurrency)
+            found = analyse(read_events(log_dir), result["sent_at"], result["latencies"],
+                            [prompt for _, prompt, _ in requests], since)
+            rows.append({"variant": name, "concurrency": concurrency, "requests": n,
+                         "req_per_s": n / result["wall_s"],
+                         "p50_ms": 1000.0 * float(np.median(result["latencies"])), **found})
+            print(f"  {name}: {rows[-1]['req_per_s']:.1f} req/s, {found['rejections']} refusals", flush=True)
+            serve.delete(variant.app)
+            shutil.rmtree(log_dir, ignore_errors=True)
+            os.makedirs(log_dir)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        shutil.rmtree(log_dir, ignore_errors=True)
+    common.print_table(rows, ["variant", "concurrency", "requests", "req_per_s", "p50_ms", "rejections_per_request",
+                              "release_p50_ms", "release_p90_ms", "release_p99_ms", "client_p50_ms", "client_p90_ms",
+                              "client_p99_ms", "released_after_client"], floatfmt=".2f",
+                       title="Serve's count release vs the client's result (ms after the worker's method returned)")
+    by = {r["variant"]: r for r in rows}
+    goals = [common.goal("serve_rejections_per_request", round(by["pow2"]["rejections_per_request"], 3), "reported",
+                         None),
+             common.goal("affinity_rejections_per_request", round(by["affinity"]["rejections_per_request"], 3),
+                         "reported", None)]
+    print()
+    common.print_goals(goals)
+    print(f"\ntotal {common.elapsed_since(started)}")
+    if args.json:
+        common.write_json(args.json, "serve_release", rows, common.settings_of(args), goals=goals)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
