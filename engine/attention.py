@@ -96,7 +96,7 @@ class TorchPagedAttention:
             out = F.embedding_bag(ids, self.cache.value_positions(layer), offsets, mode="sum",
                                   per_sample_weights=probs.reshape(-1))
         else:
-            values = self.cache.gather_rows(layer, rows)[1].view(KV * B, dec.span, hd)
+            values = self.cache.gather_values(layer, rows).view(KV * B, dec.span, hd)
             out = torch.bmm(probs, values)
         return out.view(KV, B, G, hd).transpose(0, 1).reshape(B, self.num_heads * hd)
 

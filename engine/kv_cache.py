@@ -132,11 +132,15 @@ class PagedKVCache:
 
     def gather_rows(self, layer: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the rows ``block_rows(blocks)`` names: ``[kv_heads, len(blocks) * block_size, head_dim]``."""
-        return self.gather_keys(layer, rows), self._gather(self.v[layer], rows)
+        return self.gather_keys(layer, rows), self.gather_values(layer, rows)
 
     def gather_keys(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
         """K alone of ``gather_rows``."""
         return self._gather(self.k[layer], rows)
+
+    def gather_values(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
+        """V alone of ``gather_rows``."""
+        return self._gather(self.v[layer], rows)
 
     def _gather(self, cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         shape = (self.kv_heads, rows.numel() // self.kv_heads * self.block_size, self.head_dim)
