@@ -23,9 +23,10 @@ Rows, same requests:
                                  manager, per-request ``max_new_tokens``); it has no adapters
   PEFT generate, mixed static  - ``generate(adapter_names=...)`` on static batches of 64 in
                                  arrival order
-Ours (mixed, base) and transformers take turns for ``--rounds`` rounds (3, or 1 with
+Ours (mixed, base) and transformers take turns for ``--rounds`` rounds (3, also with
 ``--quick``) and each keeps its best round: other work on a shared machine slows a run, it
-never speeds one up. Ours run with ``max_batch_size`` 64 and a KV budget of what today's
+never speeds one up (one round each let a single disturbed run decide: transformers' row
+alone moved 86-116 tok/s between quick runs). Ours run with ``max_batch_size`` 64 and a KV budget of what today's
 default replica allocated for contiguous rows (``max_batch_size`` 8 x the 2048-token
 window): the paged cache, not the batch cap, decides how many requests run at once. Prefix caching is off (the prompts share no
 prefix; repeated runs of the same prompts would otherwise skip their prefill).
@@ -43,7 +44,8 @@ its default token budget (``max_num_batched_tokens`` None: 1024 on the CPU) and 
 steps with the decodes and yielding to the short prompts' prefills. Rows: the short requests' TTFT/TPOT p50/p99.
 
 Decode step: ``throughput.roofline`` (batch 32, 8 adapters, 64 cached tokens) against the
-step's own GEMMs alone and the weights' bytes over copy bandwidth.
+step's own GEMMs alone and the weights' bytes over copy bandwidth; 15 repeats (21 without
+``--quick``) taking turns with the GEMMs, the ratio the median of each step over its pair's GEMMs.
 
 Goals: engine_vs_transformers_cb >= 3.5 (ours mixed vs transformers base, tok/s);
 engine_vs_peft_mixed >= 5.0; kv_concurrency_gain >= 3.0 (max concurrent, paged vs
@@ -97,6 +99,9 @@ BLOCK_SIZE = 16
 PROMPT_RANGE = (16, 128)
 POISSON_LOAD = 0.75        # Poisson rate as a share of the all-at-once request rate
 DECODE_CONTEXT = 64
+# turns of (ours mixed, ours base, transformers), each row keeping its best, with or without --quick
+ROUNDS = 3
+DECODE_REPEATS_QUICK, DECODE_REPEATS = 15, 21  # decode steps timed, each paired with a GEMM pass
 LATENCY_LOAD = 0.25        # the short requests' Poisson rate beside long prompts, as a share of the all-at-once rate
 SAMPLING = {"temperature": 1.0, "top_p": 0.9}  # OpenAI's default temperature with a nucleus, against greedy
 SAMPLING_BATCH = 32
@@ -272,7 +277,7 @@ def run(args) -> int:
           f"{output_range[1]}; KV budget {kv_bytes / 2**20:.0f} MiB = {TODAY_ROWS} rows x {window} tokens; "
           f"max_batch_size {MAX_RUNNING}")
 
-    rounds = args.rounds or (1 if args.quick else 3)
+    rounds = args.rounds or ROUNDS
     rows: dict[str, dict] = {}
     # the context window raised past the model's default 2048 for the long prompts (rotary positions extend)
     long_window = max(window, long_prompts.LONG_PROMPT + long_prompts.LONG_OUTPUT)
@@ -292,7 +297,7 @@ def run(args) -> int:
         latency = long_prompt_rows(engine, names, work)
         sampled = sampling_rows(engine, requests, names, rounds=2 if args.quick else 3)
         decode = measure_decode(engine, base_weights(hf_model), names, DECODE_BATCH, DECODE_CONTEXT,
-                                repeats=5 if args.quick else 10)
+                                repeats=DECODE_REPEATS_QUICK if args.quick else DECODE_REPEATS)
     finally:
         engine.shutdown()
     del engine, model
@@ -368,7 +373,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--threads", type=int, help="torch threads on the CPU (default: the cores this process may use)")
     parser.add_argument("--rounds", type=int,
                         help="rounds of ours (mixed, base) and transformers, taking turns; each row keeps its best "
-                             "(default 1 with --quick, else 3)")
+                             f"(default {ROUNDS})")
     return run(parser.parse_args(argv))
 
 

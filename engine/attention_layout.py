@@ -132,12 +132,26 @@ class _DecodeGather:
         self._masks: dict[Optional[int], torch.Tensor] = {}
         self._biases: dict[tuple, torch.Tensor] = {}
         self._rows: Optional[tuple[object, torch.Tensor]] = None  # (the cache they index, the row ids)
+        self._bags: Optional[tuple] = None  # (the cache, group, (ids, offsets)) for ``value_bags``
 
     def rows(self, cache) -> torch.Tensor:
         """``cache.block_rows`` of the padded blocks, computed on first use and shared by the step's layers."""
         if self._rows is None or self._rows[0] is not cache:
             self._rows = (cache, cache.block_rows(self.blocks.view(-1)))
         return self._rows[1]
+
+    def value_bags(self, cache, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """For ``F.embedding_bag`` over ``cache.value_positions``: every (KV head, row, query of the head's group)
+        is one bag of its ``span`` padded positions (ids, then bag offsets), KV-head-major as the scores. Computed
+        on first use and shared by the step's layers."""
+        if self._bags is None or self._bags[0] is not cache or self._bags[1] != group:
+            bs = cache.block_size
+            rows = self.rows(cache).view(-1, self.blocks.shape[1], 1)           # [kv_heads * B, blocks, 1]
+            positions = (rows * bs + torch.arange(bs, device=rows.device)).view(rows.shape[0], 1, self.span)
+            ids = positions.expand(rows.shape[0], group, self.span).reshape(-1)
+            offsets = torch.arange(0, ids.numel(), self.span, device=rows.device)
+            self._bags = (cache, group, (ids, offsets))
+        return self._bags[2]
 
     def mask(self, window: Optional[int]) -> torch.Tensor:
         """[B, span] booleans: key position < length (and within the window)."""

@@ -132,8 +132,21 @@ class PagedKVCache:
 
     def gather_rows(self, layer: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the rows ``block_rows(blocks)`` names: ``[kv_heads, len(blocks) * block_size, head_dim]``."""
-        width = self.block_size * self.head_dim
+        return self.gather_keys(layer, rows), self.gather_values(layer, rows)
+
+    def gather_keys(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
+        """K alone of ``gather_rows``."""
+        return self._gather(self.k[layer], rows)
+
+    def gather_values(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
+        """V alone of ``gather_rows``."""
+        return self._gather(self.v[layer], rows)
+
+    def _gather(self, cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         shape = (self.kv_heads, rows.numel() // self.kv_heads * self.block_size, self.head_dim)
-        k = self.k[layer].view(-1, width).index_select(0, rows).view(shape)
-        v = self.v[layer].view(-1, width).index_select(0, rows).view(shape)
-        return k, v
+        return cache.view(-1, self.block_size * self.head_dim).index_select(0, rows).view(shape)
+
+    def value_positions(self, layer: int) -> torch.Tensor:
+        """V of ``layer`` as one row per (KV head, block, position): ``[-1, head_dim]``, in either layout row
+        ``block_row * block_size + offset`` for a ``block_rows`` id (attention reads V there without a gather)."""
+        return self.v[layer].view(-1, self.head_dim)

@@ -9,6 +9,9 @@
   and written per second by a large ``Tensor.copy_``): reading the weights once.
 The three take turns each repeat, so drift hits them alike, on the engine thread (between two of its steps), as
 served: a step timed on another thread would run beside the engine thread's OpenMP team (``engine.openmp_team``).
+``step_over_gemms`` is the median over repeats of each step over the GEMM pass timed right after it: a slower
+stretch of the machine slows both sides of a pair, so the pairs' ratios scatter less than the two medians'
+ratio (``step_ms`` and ``gemm_floor_ms`` are each side's median; their quotient can differ slightly).
 """
 
 from __future__ import annotations
@@ -99,6 +102,7 @@ def _measure_decode(engine: LoRAEngine, weights: Sequence[torch.Tensor], adapter
     bandwidth = copy_bandwidth(device)
     step_ms = common.median(times["step"]) * 1e3
     gemm_ms = common.median(times["gemms"]) * 1e3
+    paired = common.median(step / gemms for step, gemms in zip(times["step"], times["gemms"]))
     return {"batch": batch, "context": context, "step_ms": step_ms, "gemm_floor_ms": gemm_ms,
             "bandwidth_floor_ms": weight_bytes / bandwidth * 1e3, "weight_mb": weight_bytes / 2**20,
-            "copy_gb_s": bandwidth / 1e9, "step_over_gemms": step_ms / gemm_ms}
+            "copy_gb_s": bandwidth / 1e9, "step_over_gemms": paired}
