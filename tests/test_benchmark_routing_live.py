@@ -165,3 +165,18 @@ def test_serve_release_joins_replica_events_to_the_client_by_prompt():
     assert found["joined"] == 2 and found["rejections"] == 1 and found["rejections_per_request"] == 0.5
     assert found["released_after_client"] == 0.5
     assert abs(found["release_p50_ms"] - 6.0) < 1e-6 and abs(found["client_p50_ms"] - 4.5) < 1e-6
+
+
+def test_serve_release_reads_occupancy_and_the_routers_view():
+    from benchmarks.serve_release import occupancy, router_view
+
+    # 2 rows: empty 0-1 s, one request 1-2 s, full 2-3 s, then empty again until 4 s; measured from 1 s
+    events = [{"ev": "inc", "t": 1.0}, {"ev": "inc", "t": 2.0}, {"ev": "dec", "t": 3.0}, {"ev": "dec", "t": 3.0},
+              {"ev": "inc", "t": 4.0}, {"ev": "return", "t": 2.5}]
+    idle, full = occupancy(events, since=1.0, rows=2)
+    assert abs(idle - 1 / 3) < 1e-9 and abs(full - 1 / 3) < 1e-9
+    sends = [{"ev": "send", "t": 1.0, "cache": c} for c in (0, 1, 8, 9)] + [
+        {"ev": "probe", "t0": 1.0, "t": 1.1, "n": [8, None]}, {"ev": "send", "t": 0.5, "cache": 30}]
+    view = router_view(sends, since=1.0, rows=8)
+    assert view["sends_at_full_cache"] == 0.5 and view["probe_timeouts"] == 0.5
+    assert abs(view["probe_p50_ms"] - 100.0) < 1e-6 and view["send_cache_p50"] == 4.5

@@ -7,7 +7,9 @@ the replica releases it relative to the result's delivery, which no router can s
 subclasses wrap Serve 2.60's ``ReplicaMetricsManager.inc/dec_num_ongoing_requests`` and
 ``Replica._can_accept_request`` (private: the benchmark checks they exist and fails naming them if a
 Serve upgrade moves them) and the worker's ``generate``, appending one JSON line per event to
-``$LORAFLEET_RELEASE_LOG/<pid>.jsonl``. The product never deploys them; ``benchmarks.serve_release`` does.
+``$LORAFLEET_RELEASE_LOG/<pid>.jsonl``. ``ReleaseLogPow2Router`` is Serve's default router with its sends
+(and Serve's cached count for the replica at each), replies and probes logged the same way. The product never
+deploys them; ``benchmarks.serve_release`` does.
 """
 
 from __future__ import annotations
@@ -74,3 +76,36 @@ class ReleaseLogLoRAWorker(LoadCostLoRAWorker):
         _log({"ev": "return", "t": time.time(), "rid": serve.context._get_serve_request_context().request_id,
               "prompt": request.prompt})
         return result
+
+
+def _pow2_router_class():
+    """Serve 2.60's default router class (private module: named in the error if a Serve upgrade moves it)."""
+    try:
+        from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
+    except ImportError as exc:
+        raise RuntimeError("this Ray Serve has no ray.serve._private.request_router.pow_2_router."
+                           "PowerOfTwoChoicesRequestRouter: update release_log") from exc
+    return PowerOfTwoChoicesRequestRouter
+
+
+class ReleaseLogPow2Router(_pow2_router_class()):
+    """Serve's default router, logging what it knew at each send and what each reply and probe said."""
+
+    def _cached(self, replica_id) -> Optional[int]:
+        entry = self._replica_queue_len_cache._cache.get(replica_id)
+        return None if entry is None else entry.queue_len
+
+    def on_send_request(self, replica_id) -> None:
+        _log({"ev": "send", "t": time.time(), "rep": replica_id.unique_id, "cache": self._cached(replica_id)})
+        super().on_send_request(replica_id)
+
+    def on_new_queue_len_info(self, replica_id, num_ongoing_requests: int) -> None:
+        _log({"ev": "reply", "t": time.time(), "rep": replica_id.unique_id, "n": num_ongoing_requests})
+        super().on_new_queue_len_info(replica_id, num_ongoing_requests)
+
+    async def _probe_queue_lens(self, replicas, backoff_index):
+        started = time.time()
+        result = await super()._probe_queue_lens(replicas, backoff_index)
+        _log({"ev": "probe", "t0": started, "t": time.time(), "n": [q for _, q in result]})
+        return result
+
