@@ -8,13 +8,13 @@ replica released its count (``release_ms``) and the client had the result (``cli
 share released after the client had it, and the refusals per request (a send to a replica at
 ``max_ongoing_requests``). Also, per replica, the share of the run it spent with no request and
 with every row taken (``idle_share``, ``full_share``, from its own count changes), and for Serve's
-default router (``release_log.ReleaseLogPow2Router``) Serve's cached count at each refused send
-(``refused_cache_p50``/``p90``: how many unanswered sends it had already made there) and its probes'
-latency and share that timed out. ``routing_live``'s skew setting, cheap loads, 2 replicas, closed
+default router (``release_log.ReleaseLogPow2Router``) Serve's cached count for the replica at each send
+(``send_cache_p50``/``p90``, and ``sends_at_full_cache``: the share sent where its own cache already
+counted ``max_ongoing_requests``) and its probes' latency and share that timed out. ``routing_live``'s skew setting, cheap loads, 2 replicas, closed
 loop at ``--concurrency``, one router; the workers are ``benchmarks.live.release_log``'s.
 
-Goals are reported, not judged (a model is checked against them): ``serve_rejections_per_request``
-and ``affinity_rejections_per_request``.
+Goals are reported, not judged (a model is checked against them): ``serve_rejections_per_request``,
+``affinity_rejections_per_request`` and ``serve_replica_idle_share``.
 
     python -m benchmarks.serve_release [--quick] [--json PATH]
 """

@@ -8,7 +8,7 @@ subclasses wrap Serve 2.60's ``ReplicaMetricsManager.inc/dec_num_ongoing_request
 ``Replica._can_accept_request`` (private: the benchmark checks they exist and fails naming them if a
 Serve upgrade moves them) and the worker's ``generate``, appending one JSON line per event to
 ``$LORAFLEET_RELEASE_LOG/<pid>.jsonl``. ``ReleaseLogPow2Router`` is Serve's default router with its sends
-(and Serve's cached count for the replica at each), replies and probes logged the same way. The product never
+(and Serve's cached count for the replica at each) and probes logged the same way. The product never
 deploys them; ``benchmarks.serve_release`` does.
 """
 
@@ -89,7 +89,7 @@ def _pow2_router_class():
 
 
 class ReleaseLogPow2Router(_pow2_router_class()):
-    """Serve's default router, logging what it knew at each send and what each reply and probe said."""
+    """Serve's default router, logging what it knew at each send and what each probe said."""
 
     def _cached(self, replica_id) -> Optional[int]:
         entry = self._replica_queue_len_cache._cache.get(replica_id)
@@ -98,10 +98,6 @@ class ReleaseLogPow2Router(_pow2_router_class()):
     def on_send_request(self, replica_id) -> None:
         _log({"ev": "send", "t": time.time(), "rep": replica_id.unique_id, "cache": self._cached(replica_id)})
         super().on_send_request(replica_id)
-
-    def on_new_queue_len_info(self, replica_id, num_ongoing_requests: int) -> None:
-        _log({"ev": "reply", "t": time.time(), "rep": replica_id.unique_id, "n": num_ongoing_requests})
-        super().on_new_queue_len_info(replica_id, num_ongoing_requests)
 
     async def _probe_queue_lens(self, replicas, backoff_index):
         started = time.time()
