@@ -302,17 +302,20 @@ def plot(rows: Sequence[dict], path) -> None:
 def routing_live_check(path: str, live: dict) -> tuple[list[dict], int, int]:
     """Simulate a routing_live run's cells (``benchmarks.sim.live_check``): (rows, pairs alike, pairs ordered)."""
     from .sim.cpu_fleet import CpuFleetConfig, measure_engine_steps
-    from .sim.live_check import ranking_agreement, simulate_live
+    from .sim.live_check import SEEDS, ranking_agreement, simulate_live
 
     step_base, step_per_seq = measure_engine_steps()
     rows = simulate_live(live, step_base, step_per_seq)
     print()
     common.print_table(rows, ["setting", "cost", "concurrency", "variant", "live_req_per_s", "sim_req_per_s",
                               "live_p50_ms", "sim_p50_ms", "live_p99_ms", "sim_p99_ms", "sim_loads_per_1k",
-                              "live_workers_cpu_ms", "sim_workers_cpu_ms", "engine_share"], floatfmt=".1f",
+                              "live_workers_cpu_ms", "sim_workers_cpu_ms", "engine_share", "sim_refusals_per_request",
+                              "sim_idle_share"], floatfmt=".2f",
                        title=f"== the live fleet in simulation ({path}): engine step {1e3 * step_base:.2f} ms + "
                              f"{1e3 * step_per_seq:.3f} ms per running request (measured here), each variant's "
-                             f"control-plane CPU per request from the run, on {CpuFleetConfig().cores:g} shared cores")
+                             f"control-plane CPU per request from the run, on {CpuFleetConfig().cores:g} shared cores; "
+                             f"Serve's routers on its queue-length cache (benchmarks/sim/serve_cache.py; compare the "
+                             f"refusals and idle share with benchmarks.serve_release); mean of {SEEDS} seeds")
     agreed, ordered, wrong = ranking_agreement(rows)
     for line in wrong:
         print(f"  disagrees: {line}")

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import numpy as np
@@ -46,6 +46,7 @@ from .costs import CostModel
 from .events import EventLoop
 from .feed import DirectoryFeed
 from .routers import ROUTERS
+from .serve_cache import ServeQueueCache, ServeTimes
 from .serve_routing import ServeRoutingTasks
 
 VARIANT_ROUTER = {"affinity": "affinity", "multiplexed": "multiplex", "pow2": "pow2"}
@@ -81,6 +82,7 @@ class CpuFleetConfig:
     rate_window_s: float = 2.0       # the control plane's CPU rate is averaged over this
     load_bound_epsilon: float = 0.25
     seed: int = 0
+    serve_times: Optional[ServeTimes] = None  # Serve's own routers decide on its queue-length cache (serve_cache)
 
 
 @dataclass
@@ -94,6 +96,11 @@ class CpuFleetResult:
     loads: int
     engine_share: float   # mean share of a core each busy engine got
     workers_cpu_ms: float = 0.0  # the workers' CPU per request (steps, loads, per-request work): live's column
+    refusals_per_request: float = 0.0  # sends a replica refused at its limit (Serve's cache model only)
+    idle_share: float = float("nan")   # mean share of the run a replica had no request (its own count)
+    sends_at_full_cache: float = float("nan")  # sends where the router's cache already counted the limit
+    probe_p50_ms: float = float("nan")
+    probe_timeouts: float = float("nan")
 
 
 class _Client:
@@ -154,11 +161,19 @@ class CpuFleet(EventLoop):
         if self.router.waits_for_capacity:
             self.routing_tasks = max(self.routing_tasks, DEFAULT_SETTINGS.max_routing_tasks)
             self.serve_tasks: Optional[ServeRoutingTasks] = None
-        else:  # Serve's own routers: its routing loop, backoff and hand-over as they are
+        self.serve_cache: Optional[ServeQueueCache] = None
+        if not self.router.waits_for_capacity:  # Serve's own routers: its routing loop, backoff and hand-over
+            if cfg.serve_times is not None:
+                self.serve_cache = ServeQueueCache(self, cfg.serve_times, self.max_ongoing,
+                                                   lambda i: int(self.ongoing[i]), np.random.default_rng(cfg.seed + 31))
             self.serve_tasks = ServeRoutingTasks(
                 self, cfg.replicas, lambda req: self.router.route(req, self.now), self._dispatch,
                 self.config.backoff_initial_s, self.config.backoff_max_s,
-                model_id=(lambda req: req.uid) if cfg.variant == "multiplexed" else None)
+                model_id=(lambda req: req.uid) if cfg.variant == "multiplexed" else None, cache=self.serve_cache,
+                candidates=(lambda req: self.router.candidates(req, self.now)[0]) if self.serve_cache else None)
+        self.refusals = 0
+        self.idle_s = np.zeros(cfg.replicas)     # time each replica spent with no request (its own count) ...
+        self.counted_since = np.zeros(cfg.replicas)  # ... up to here
         self.cpu_log: deque[tuple[float, float]] = deque()  # (time, control-plane CPU seconds spent)
         self.share_sum = self.share_n = 0.0
         self.workers_cpu_s = 0.0
@@ -225,8 +240,42 @@ class CpuFleet(EventLoop):
 
     def _dispatch(self, req: SimRequest, idx: int) -> None:
         req.replica = idx
+        cache = self.serve_cache
+        if cache is None:
+            self._accept(req, idx)
+            return
+        # the request's own coroutine sends it (and Serve's cache counts it) on the event loop's next turn: a
+        # routing task that goes on choosing in this turn still sees the count without it
+        self.at(self.now, self._send, req, idx)
+
+    def _send(self, req: SimRequest, idx: int) -> None:
+        self.serve_cache.sent(idx)
+        self.at(self.now + self.serve_cache.rpc_s(idx) / 2, self._deliver, req, idx)
+
+    def _deliver(self, req: SimRequest, idx: int) -> None:
+        """A send reaches replica ``idx``: accepted below its limit, else refused and routed again (its count
+        goes back either way)."""
+        cache = self.serve_cache
+        if self.ongoing[idx] < self.max_ongoing:
+            self._accept(req, idx)
+        else:
+            self.refusals += 1
+            self.at(self.now + cache.rpc_s(idx) / 2, self._refused, req)
+        self.at(self.now + cache.rpc_s(idx) / 2, cache.replied, idx, int(self.ongoing[idx]))
+
+    def _refused(self, req: SimRequest) -> None:
+        self.serve_tasks.retry(req)
+
+    def _count_change(self, idx: int, delta: int) -> None:
+        if self.ongoing[idx] == 0:
+            self.idle_s[idx] += self.now - self.counted_since[idx]
+        self.counted_since[idx] = self.now
+        self.ongoing[idx] += delta
+
+    def _accept(self, req: SimRequest, idx: int) -> None:
+        req.replica = idx
         req.t_dispatch = self.now
-        self.ongoing[idx] += 1
+        self._count_change(idx, +1)
         replica = self.replicas[idx]
         replica.sched.add(req)
         if not replica.busy:
@@ -298,11 +347,26 @@ class CpuFleet(EventLoop):
         req.t_done = self.now
         replica.sched.finish(req)
         replica.tokens.pop(req.i, None)
-        self.ongoing[replica.idx] -= 1
         replica.pool.retain_batch(replica.sched.running_uids())
         self.done += 1
         if self.feed is not None:
             self.feed.record_busy(replica.rid, req.uid, self.now - req.t_dispatch)
+        times = self.cfg.serve_times if self.serve_cache is not None else None
+        if times is None:
+            self._count_change(replica.idx, -1)
+            self._heard(req)
+            return
+        # the replica releases its count a moment after the result leaves; the client (and Serve's cache) hear
+        # of the result a moment after it leaves, in either order (benchmarks.serve_release)
+        cache = self.serve_cache
+        self.at(self.now + cache.busy_scaled(times.release, replica.idx), self._count_change, replica.idx, -1)
+        req.t_done = self.now + cache.busy_scaled(times.client, replica.idx)
+        self.at(req.t_done, self._heard, req)
+
+    def _heard(self, req: SimRequest) -> None:
+        """The client has ``req``'s result: the router's bookkeeping, then the client's next request."""
+        if self.serve_cache is not None:
+            self.serve_cache.result(req.replica)
         self.router.finished(req)
         if self.router.waits_for_capacity:
             for waiting in list(self.active):
@@ -328,13 +392,26 @@ class CpuFleet(EventLoop):
             self._next(None)
         n = len(self.requests)
         self.run_until(lambda: self.done >= n)
+        for idx in range(self.cfg.replicas):
+            self._count_change(idx, 0)  # the idle time up to now
         lat = np.array([r.t_done - r.arrival for r in self.requests]) * 1000.0
         first = min(r.arrival for r in self.requests)
         wall = max(r.t_done for r in self.requests) - first
         del started
         return CpuFleetResult(self.cfg.variant, self.concurrency, n, n / wall if wall > 0 else float("nan"),
                               float(np.percentile(lat, 50)), float(np.percentile(lat, 99)), self.loads,
-                              self.share_sum / max(1, self.share_n), 1000.0 * self.workers_cpu_s / max(1, n))
+                              self.share_sum / max(1, self.share_n), 1000.0 * self.workers_cpu_s / max(1, n),
+                              **self._serve_stats(n, wall, first))
+
+    def _serve_stats(self, n: int, wall: float, first: float) -> dict:
+        out = {"refusals_per_request": self.refusals / max(1, n),
+               "idle_share": float(np.mean(self.idle_s)) / self.now if self.now > 0 else float("nan")}
+        cache = self.serve_cache
+        if cache is not None:
+            out.update(sends_at_full_cache=cache.sends_at_full_cache / max(1, cache.sends),
+                       probe_p50_ms=1000.0 * float(np.median(cache.probe_call_s)) if cache.probe_call_s else float("nan"),
+                       probe_timeouts=cache.probe_timeouts / max(1, cache.probes))
+        return out
 
 
 def run_cpu_fleet(requests: list[tuple[str, str, int]], concurrency: int, cfg: CpuFleetConfig,
@@ -346,9 +423,8 @@ def run_cpu_fleet(requests: list[tuple[str, str, int]], concurrency: int, cfg: C
         measured = fleet.requests[len(warmup):]
         lat = np.array([r.t_done - r.arrival for r in measured]) * 1000.0
         wall = max(r.t_done for r in measured) - min(r.arrival for r in measured)
-        result = CpuFleetResult(cfg.variant, concurrency, len(measured), len(measured) / wall,
-                                float(np.percentile(lat, 50)), float(np.percentile(lat, 99)),
-                                result.loads, result.engine_share, result.workers_cpu_ms)
+        result = replace(result, requests=len(measured), req_per_s=len(measured) / wall,
+                         p50_ms=float(np.percentile(lat, 50)), p99_ms=float(np.percentile(lat, 99)))
     return result
 
 

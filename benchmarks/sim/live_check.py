@@ -15,10 +15,14 @@ from __future__ import annotations
 import statistics
 from typing import Sequence
 
+import numpy as np
+
 from ..routing_live import Setting, build_requests, requests_per_row
 from .cpu_fleet import ControlPlaneCpu, CpuFleetConfig, run_cpu_fleet
+from .serve_cache import ServeTimes
 
 VARIANTS = ("affinity", "multiplexed", "pow2")
+SEEDS = 5  # one seed's pow2 at concurrency 64 moves by a third between seeds (Serve's refusals and backoffs)
 
 
 def _median(rows: Sequence[dict], key: str) -> float:
@@ -43,8 +47,9 @@ def calibrate(live_rows: Sequence[dict], step_base_s: float, step_per_seq_s: flo
     return out
 
 
-def simulate_live(live: dict, step_base_s: float, step_per_seq_s: float) -> list[dict]:
-    """The live run's one-router cells, simulated with its settings and calibration."""
+def simulate_live(live: dict, step_base_s: float, step_per_seq_s: float, seeds: int = SEEDS) -> list[dict]:
+    """The live run's one-router cells, simulated with its settings and calibration: each cell's figures are
+    the mean over ``seeds`` runs (the routers' random draws and Serve's message times differ per seed)."""
     meta = live["metadata"]["settings"]
     rows = [r for r in live["rows"] if r["routers"] == 1]
     chosen = meta["settings_run"]
@@ -64,16 +69,21 @@ def simulate_live(live: dict, step_base_s: float, step_per_seq_s: float) -> list
         for variant in VARIANTS:
             if variant not in control:
                 continue
-            cfg = CpuFleetConfig(variant=variant, replicas=meta["replicas"], slots=meta["slots"],
-                                 max_batch=meta["max_batch_size"], step_base_s=step_base_s,
-                                 step_per_seq_s=step_per_seq_s, host_load_s=max(costs[cost]["host_s"], 1e-4),
-                                 disk_load_s=max(costs[cost]["disk_s"], 2e-3), control=control[variant],
-                                 load_bound_epsilon=meta["load_bound_epsilon"], seed=meta["seed"])
-            result = run_cpu_fleet(requests, c, cfg, warmup=warmup)
+            runs = []
+            for k in range(seeds):
+                cfg = CpuFleetConfig(variant=variant, replicas=meta["replicas"], slots=meta["slots"],
+                                     max_batch=meta["max_batch_size"], step_base_s=step_base_s,
+                                     step_per_seq_s=step_per_seq_s, host_load_s=max(costs[cost]["host_s"], 1e-4),
+                                     disk_load_s=max(costs[cost]["disk_s"], 2e-3), control=control[variant],
+                                     load_bound_epsilon=meta["load_bound_epsilon"], seed=meta["seed"] + k,
+                                     serve_times=ServeTimes())
+                runs.append(run_cpu_fleet(requests, c, cfg, warmup=warmup))
+            mean = (lambda key: float(np.mean([getattr(r, key) for r in runs])))
             out.append({"setting": setting_name, "cost": cost, "concurrency": c, "variant": variant,
-                        "sim_req_per_s": result.req_per_s, "sim_p50_ms": result.p50_ms, "sim_p99_ms": result.p99_ms,
-                        "sim_loads_per_1k": 1000.0 * result.loads / (len(requests) + len(warmup)),
-                        "engine_share": result.engine_share, "sim_workers_cpu_ms": result.workers_cpu_ms})
+                        "sim_req_per_s": mean("req_per_s"), "sim_p50_ms": mean("p50_ms"), "sim_p99_ms": mean("p99_ms"),
+                        "sim_loads_per_1k": 1000.0 * mean("loads") / (len(requests) + len(warmup)),
+                        "engine_share": mean("engine_share"), "sim_workers_cpu_ms": mean("workers_cpu_ms"),
+                        "sim_refusals_per_request": mean("refusals_per_request"), "sim_idle_share": mean("idle_share")})
     live_by = {(r["setting"], r["cost"], r["concurrency"], r["variant"]): r for r in rows}
     for r in out:
         lr = live_by[(r["setting"], r["cost"], r["concurrency"], r["variant"])]

@@ -202,7 +202,9 @@ class MultiplexRouter(Router):
         counts = np.fromiter((len(ids) for ids in model_ids), dtype=np.int64, count=len(model_ids))
         self._fewest = np.flatnonzero(counts == counts.min())
 
-    def route(self, req, now):
+    def candidates(self, req, now) -> tuple[list[int], str]:
+        """Serve's two random candidates for ``req`` (among its model's holders while the match lasts) and which
+        set they came from; the choice between them is ``route``'s (exact counts) or Serve's cache's."""
         sim, rng = self.sim, self.rng
         if req.mux_start is None:
             req.mux_start = now
@@ -225,22 +227,25 @@ class MultiplexRouter(Router):
         n = len(sim.ids) if cands is None else len(cands)
         if n == 0:
             self._count("no_candidates")
-            return None
+            return [], kind
         if n == 1:
             picks = [0]
         else:
             i = int(rng.integers(n))
             j = int(rng.integers(n - 1))
             picks = [i, j + (j >= i)]
-        chosen = [p if cands is None else int(cands[p]) for p in picks]
-        ongoing, cap = sim.ongoing, sim.max_ongoing
+        return [p if cands is None else int(cands[p]) for p in picks], kind
+
+    def route(self, req, now):
+        chosen, kind = self.candidates(req, now)
+        ongoing, cap = self.sim.ongoing, self.sim.max_ongoing
         ok = [c for c in chosen if ongoing[c] < cap]
         if not ok:
-            self._count(f"{kind}_full")
+            if chosen:
+                self._count(f"{kind}_full")
             return None
-        best = min(ok, key=lambda c: ongoing[c])
         self._count(kind)
-        return best
+        return min(ok, key=lambda c: ongoing[c])
 
 
 class Pow2Router(Router):
@@ -248,15 +253,18 @@ class Pow2Router(Router):
 
     name = "pow2"
 
-    def route(self, req, now):
-        ongoing, cap = self.sim.ongoing, self.sim.max_ongoing
-        n = len(ongoing)
+    def candidates(self, req, now) -> tuple[list[int], str]:
+        """Two distinct random replicas (the only one on a fleet of one)."""
+        n = len(self.sim.ongoing)
         if n == 1:
-            return 0 if ongoing[0] < cap else None
+            return [0], "pow2"
         i = int(self.rng.integers(n))
         j = int(self.rng.integers(n - 1))
-        j += j >= i
-        ok = [c for c in (i, j) if ongoing[c] < cap]
+        return [i, j + (j >= i)], "pow2"
+
+    def route(self, req, now):
+        ongoing, cap = self.sim.ongoing, self.sim.max_ongoing
+        ok = [c for c in self.candidates(req, now)[0] if ongoing[c] < cap]
         return min(ok, key=lambda c: ongoing[c]) if ok else None
 
 

@@ -5,15 +5,17 @@ and its engines idle most of the time while 48 requests waited in the router (``
 pow2: 21.5 req/s; the same run with Serve's retry backoff cut to 2-10 ms: 51.6 req/s). A model
 that backs off per request and hands each found replica to the request that found it served
 49.7 req/s: the idle time is in how Serve's loop sleeps, so the model follows that loop (at a fixed
-engine cost this alone takes pow2 from 50.8 to 44.0 req/s against 26.2 live; the replicas' refusals
-and the probes that miss their deadline, ``docs/design.md``, are not modelled yet):
+engine cost this alone takes pow2 from 50.8 to 44.0 req/s against 26.2 live; what the router knows
+of each replica's queue -- its cache, its probes and the replicas' refusals -- is ``serve_cache``'s
+model, used when a ``cache`` is given):
 
 - At most ``min(50, 2 x replicas, pending)`` routing tasks; each takes the oldest request no task
   has taken yet and tries to place it (one ``router.route`` call per try).
 - A replica found goes to the oldest pending request (with the same multiplexed model id, where
   the request carries one), not necessarily the task's own. That request's task, if another, is
   cancelled; a task ending starts replacements while requests wait to be taken.
-- Tries of one request: the first failure retries at once, then the task sleeps 25 ms, 50 ms, ...
+- Tries of one request: the first failure retries at once (in the same turn of the event loop: a
+  send the task made in that turn is not in Serve's cache yet), then the task sleeps 25 ms, 50 ms, ...
   up to 0.5 s between tries -- also after a try that placed some other request, since Serve's
   generator only resets when the task's own request is placed.
 """
@@ -21,9 +23,10 @@ and the probes that miss their deadline, ``docs/design.md``, are not modelled ye
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable, Optional, Protocol
+from typing import Callable, Optional, Protocol, Sequence
 
 from .config import SimRequest
+from .serve_cache import ServeQueueCache
 
 
 class Clock(Protocol):
@@ -33,13 +36,14 @@ class Clock(Protocol):
 
 
 class _Task:
-    __slots__ = ("req", "attempt", "entered_backoff", "alive")
+    __slots__ = ("req", "attempt", "entered_backoff", "alive", "backoff_index")
 
     def __init__(self) -> None:
         self.req: Optional[SimRequest] = None
         self.attempt = 0
         self.entered_backoff = False
         self.alive = True
+        self.backoff_index = 0  # failed selections of its own request (a probe's deadline doubles with it)
 
 
 class ServeRoutingTasks:
@@ -50,7 +54,15 @@ class ServeRoutingTasks:
     def __init__(self, clock: Clock, replicas: int, try_route: Callable[[SimRequest], Optional[int]],
                  dispatch: Callable[[SimRequest, int], None], initial_backoff_s: float = 0.025,
                  max_backoff_s: float = 0.5, multiplier: float = 2.0,
-                 model_id: Optional[Callable[[SimRequest], Optional[str]]] = None):
+                 model_id: Optional[Callable[[SimRequest], Optional[str]]] = None,
+                 cache: Optional[ServeQueueCache] = None,
+                 candidates: Optional[Callable[[SimRequest], Sequence[int]]] = None):
+        """``cache`` and ``candidates``: choose as Serve does, ``candidates(req)`` (the router's random two, or
+        its holders) selected through Serve's queue-length cache and probes; without them ``try_route(req)``
+        decides on exact counts at once."""
+        if (cache is None) != (candidates is None):
+            raise ValueError("cache and candidates go together")
+        self.cache, self.candidates = cache, candidates
         self.clock, self.replicas = clock, replicas
         self.try_route, self.dispatch = try_route, dispatch
         self.initial_backoff_s, self.max_backoff_s, self.multiplier = initial_backoff_s, max_backoff_s, multiplier
@@ -81,7 +93,7 @@ class ServeRoutingTasks:
             req = self.to_route.popleft()
             if req.replica >= 0:
                 continue
-            task.req, task.attempt, task.entered_backoff = req, 0, False
+            task.req, task.attempt, task.entered_backoff, task.backoff_index = req, 0, False, 0
             self.owner[req.i] = task
             self._try(task)
             return
@@ -95,21 +107,44 @@ class ServeRoutingTasks:
         if self.to_route:  # replacements, on the event loop's next turn
             self.clock.at(self.clock.now, self._start_tasks)
 
+    def retry(self, req: SimRequest) -> None:
+        """A replica refused ``req``: back into both queues by arrival (Serve's ``is_retry``), tasks started."""
+        req.replica = -1
+        for queue in (self.to_fulfill, self.to_route):
+            k = len(queue)
+            while k > 0 and queue[k - 1].arrival > req.arrival:
+                k -= 1
+            queue.insert(k, req)
+        self._start_tasks()
+
     def _try(self, task: _Task) -> None:
         if not task.alive:
             return  # cancelled while it slept
+        if self.cache is None:
+            self._tried(task, self.try_route(task.req))
+            return
+        candidates = self.candidates(task.req)
+        if not candidates:
+            self._tried(task, None)
+            return
+        self.cache.select(candidates, task.backoff_index, lambda idx: self._tried(task, idx))
+
+    def _tried(self, task: _Task, idx: Optional[int]) -> None:
+        if not task.alive:
+            return  # cancelled while its probes were out
         req = task.req
-        idx = self.try_route(req)
-        if idx is not None:
+        if idx is None:
+            task.backoff_index += 1
+        else:
             self._fulfill(idx, req, task)
             if req.replica >= 0:  # its own request is placed: the generator closes, backoff resets
                 del self.owner[req.i]
                 task.req = None
                 self._next_request(task)
                 return
-        if not task.entered_backoff:  # the first failure retries at once (on the loop's next turn)
+        if not task.entered_backoff:  # the first failure retries at once, in the same turn of the event loop
             task.entered_backoff = True
-            self.clock.at(self.clock.now, self._try, task)
+            self._try(task)
             return
         delay = min(self.initial_backoff_s * self.multiplier ** task.attempt, self.max_backoff_s)
         task.attempt += 1
