@@ -102,3 +102,12 @@ def test_serve_routers_on_their_cache_are_refused_at_concurrency_64_and_never_at
     assert exact.refusals_per_request == 0.0 and exact.req_per_s > busy.req_per_s
     assert routing_live_fleet("multiplexed", 1).refusals_per_request == 0.0
     assert routing_live_fleet("pow2", 1).refusals_per_request == 0.0
+
+
+def test_the_product_router_reads_the_same_cache_is_refused_at_times_and_decides_again_until_all_are_served():
+    """Live, the affinity router prices a replica by Serve's cached count plus its own unsent choices, and a refused
+    send comes back to it (0.44 refusals per request in serve_release): in the model too, with every request served."""
+    busy = routing_live_fleet("affinity", 64)
+    assert busy.requests == 160 and busy.refusals_per_request > 0.0
+    assert busy.req_per_s < routing_live_fleet("affinity", 64, serve_times=None).req_per_s
+    assert routing_live_fleet("affinity", 1).refusals_per_request == 0.0

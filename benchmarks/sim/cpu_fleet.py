@@ -162,10 +162,10 @@ class CpuFleet(EventLoop):
             self.routing_tasks = max(self.routing_tasks, DEFAULT_SETTINGS.max_routing_tasks)
             self.serve_tasks: Optional[ServeRoutingTasks] = None
         self.serve_cache: Optional[ServeQueueCache] = None
+        if cfg.serve_times is not None:  # every router's sends go through Serve's cache and may be refused
+            self.serve_cache = ServeQueueCache(self, cfg.serve_times, self.max_ongoing,
+                                               lambda i: int(self.ongoing[i]), np.random.default_rng(cfg.seed + 31))
         if not self.router.waits_for_capacity:  # Serve's own routers: its routing loop, backoff and hand-over
-            if cfg.serve_times is not None:
-                self.serve_cache = ServeQueueCache(self, cfg.serve_times, self.max_ongoing,
-                                                   lambda i: int(self.ongoing[i]), np.random.default_rng(cfg.seed + 31))
             self.serve_tasks = ServeRoutingTasks(
                 self, cfg.replicas, lambda req: self.router.route(req, self.now), self._dispatch,
                 self.config.backoff_initial_s, self.config.backoff_max_s,
@@ -238,11 +238,30 @@ class CpuFleet(EventLoop):
         # the affinity router waits: woken by a completion (``_finish``), as live; no polling (Serve's own
         # routers never come here: ``serve_routing.ServeRoutingTasks`` places their requests)
 
+    @property
+    def accepts_later(self) -> bool:
+        return self.serve_cache is not None
+
+    @property
+    def seen_ongoing(self) -> np.ndarray:
+        """The product's router's counts: Serve's cached count where it has one (its own sends counted at once,
+        as the live router adds the ones it chose and Serve has not sent), else the replica's own."""
+        cache = self.serve_cache
+        if cache is None:
+            return self.ongoing
+        seen = self.ongoing.copy()
+        for i, q in cache.cached.items():
+            seen[i] = q
+        return seen
+
     def _dispatch(self, req: SimRequest, idx: int) -> None:
         req.replica = idx
         cache = self.serve_cache
         if cache is None:
             self._accept(req, idx)
+            return
+        if self.serve_tasks is None:  # the product's router: its choice counts against the replica at once
+            self._send(req, idx)
             return
         # the request's own coroutine sends it (and Serve's cache counts it) on the event loop's next turn: a
         # routing task that goes on choosing in this turn still sees the count without it
@@ -264,7 +283,15 @@ class CpuFleet(EventLoop):
         self.at(self.now + cache.rpc_s(idx) / 2, cache.replied, idx, int(self.ongoing[idx]))
 
     def _refused(self, req: SimRequest) -> None:
-        self.serve_tasks.retry(req)
+        if self.serve_tasks is not None:
+            self.serve_tasks.retry(req)
+            return
+        req.replica = -1  # the product's router decides again (Serve hands the request back to it)
+        k = len(self.active)
+        while k > 0 and self.active[k - 1].arrival > req.arrival:
+            k -= 1
+        self.active.insert(k, req)
+        self._route(req)
 
     def _count_change(self, idx: int, delta: int) -> None:
         if self.ongoing[idx] == 0:
@@ -276,6 +303,8 @@ class CpuFleet(EventLoop):
         req.replica = idx
         req.t_dispatch = self.now
         self._count_change(idx, +1)
+        if self.accepts_later and self.router.waits_for_capacity:
+            self.router.accepted(req, idx)
         replica = self.replicas[idx]
         replica.sched.add(req)
         if not replica.busy:

@@ -131,6 +131,13 @@ class Simulator(EventLoop):
 
     # ------------------------------------------------------------------ plumbing
 
+    accepts_later = False  # every send is accepted: Serve's refusals are not modelled here
+
+    @property
+    def seen_ongoing(self) -> np.ndarray:
+        """The counts the product's router decides on: exact here (Serve's cache is ``cpu_fleet``'s model only)."""
+        return self.ongoing
+
     def _fetch(self, uid: str) -> LoRAAdapterWeights:
         rank = self.ranks[uid]
         cfg = self._configs.get(rank)

@@ -56,6 +56,8 @@ class Fleet(Protocol):
 
     ids: tuple[str, ...]
     ongoing: np.ndarray
+    seen_ongoing: np.ndarray   # what the product's router reads as each replica's count (Serve's cache, when modelled)
+    accepts_later: bool        # True: a send may be refused; the product's router records it only once accepted
     max_ongoing: int
     now: float
     config: SimConfig
@@ -132,7 +134,8 @@ class AffinityRouter(_ViewRouter):
     def route(self, req, now):
         sim, local = self.sim, self.local
         ids = sim.ids
-        decision = choose_replicas(req.uid, self.view.fleet_view(ids, req.uid), sim.ongoing, self.config,
+        loads = sim.seen_ongoing
+        decision = choose_replicas(req.uid, self.view.fleet_view(ids, req.uid), loads, self.config,
                                    caps=self.caps, request_s=local.request_s_by_index(ids),
                                    active=local.active_by_index(ids), demand=local.demand,
                                    last_used=local.last_used_by_index(ids),
@@ -153,14 +156,20 @@ class AffinityRouter(_ViewRouter):
             if not self.waiting[req.uid]:
                 del self.waiting[req.uid]
         i = decision.tiers[0][0]
-        if sim.ongoing[i] + 1 >= self.caps[i]:  # this dispatch fills it (the one router sees every send)
+        if loads[i] + 1 >= self.caps[i]:  # this dispatch fills it (the one router sees every send)
             local.saw_full(ids[i])
         self._count(decision.kind)
         req.kind = decision.kind
-        self.view.record_decision(req.uid, ids[i])
-        local.routed(str(req.i), ids[i], req.uid, req.in_len,
-                     self.view.prefill_s_per_token(ids[i]) or self.config.prefill_s_per_token)
+        if not sim.accepts_later:
+            self.accepted(req, i)
         return i
+
+    def accepted(self, req, i: int) -> None:
+        """Replica ``i`` took ``req`` (the live router's ``on_request_routed``): its view and local state count it."""
+        rid = self.sim.ids[i]
+        self.view.record_decision(req.uid, rid)
+        self.local.routed(str(req.i), rid, req.uid, req.in_len,
+                          self.view.prefill_s_per_token(rid) or self.config.prefill_s_per_token)
 
     def finished(self, req):
         self.local.completed(str(req.i))
