@@ -8,7 +8,7 @@ import operator
 import peft as _peft  # noqa: F401  (the test extra installs it; missing is a failure)
 
 from benchmarks import engine_throughput
-from benchmarks.throughput import long_prompts
+from benchmarks.throughput import long_prompts, systems
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             num_hidden_layers=2, max_position_embeddings=256)
@@ -20,6 +20,9 @@ def test_engine_throughput_tiny(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(engine_throughput, "DECODE_BATCH", 4)
     monkeypatch.setattr(engine_throughput, "DECODE_CONTEXT", 16)
     monkeypatch.setattr(long_prompts, "LONG_PROMPT", 200)
+    # transformers' KV cache sized for these requests (10 of at most 152 tokens: one 256-token page each), not from
+    # the free memory: filling that cache's attention mask at start-up took most of this test's time
+    monkeypatch.setattr(systems, "TRANSFORMERS_CB", {"num_blocks": 16, "max_batch_tokens": 512})
     out = tmp_path / "engine_throughput.json"
     assert engine_throughput.main(["--quick", "--requests", "10", "--threads", "1", "--json", str(out)]) == 0
 

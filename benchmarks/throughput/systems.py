@@ -26,6 +26,11 @@ from engine.request import GenerateRequest, GenerateResult, TokenDelta
 
 from .workload import Served, WorkRequest
 
+# ``transformers.ContinuousBatchingConfig`` fields for ``run_transformers_cb``; empty: transformers sizes its KV cache
+# and batch itself, from the free memory (as a user's default run does; on the CPU that is ~90% of the RAM, and the
+# attention mask it allocates and fills at start-up grows with it: about 20 s a run on a 24 GB machine)
+TRANSFORMERS_CB: dict = {}
+
 
 def run_engine(engine: LoRAEngine, requests: Sequence[WorkRequest], adapter_names: Sequence[str],
                offsets: Optional[Sequence[float]] = None, timeout_s: float = 600.0,
@@ -69,7 +74,7 @@ def run_engine(engine: LoRAEngine, requests: Sequence[WorkRequest], adapter_name
 
 def run_transformers_cb(model, requests: Sequence[WorkRequest], timeout_s: float = 600.0) -> tuple[list[Served], float, dict]:
     """transformers' continuous batching on the base model; (served, start, {kv_bytes, max_running})."""
-    from transformers import GenerationConfig
+    from transformers import ContinuousBatchingConfig, GenerationConfig
     from transformers.generation.continuous_batching.continuous_api import WorkloadHints
 
     config = GenerationConfig(do_sample=False, max_new_tokens=max(r.max_tokens for r in requests), eos_token_id=-1,
@@ -78,7 +83,9 @@ def run_transformers_cb(model, requests: Sequence[WorkRequest], timeout_s: float
                           max_generated_length=max(r.max_tokens for r in requests), num_requests=len(requests))
     served = {f"r{r.index}": Served(r, 0.0) for r in requests}
     stats = {"kv_bytes": None, "max_running": 0}
+    cb_config = ContinuousBatchingConfig(**TRANSFORMERS_CB) if TRANSFORMERS_CB else None
     with model.continuous_batching_context_manager(generation_config=config, block=True, timeout=10,
+                                                   continuous_batching_config=cb_config,
                                                    workload_hints=hints) as manager:
         sampling = threading.Event()
         watcher = threading.Thread(target=_watch_running, args=(manager, stats, sampling), daemon=True)
