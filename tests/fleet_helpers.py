@@ -74,8 +74,19 @@ def ingress_stats(handle, replicas: int) -> dict[int, dict]:
 
 def deploy_app(app: str, args, workers: int, ingresses: int):
     """A fleet of its own (``args``: AppArgs) at ``/app``, with ``workers`` one-CPU workers and ``ingresses``
-    ingress replicas; returns the ingress handle. The caller deletes it (``serve.delete(app)``)."""
+    ingress replicas; returns the ingress handle. The caller deletes it (``delete_app(app)``)."""
     from deployments.app import build_fleet
 
     return serve.run(build_fleet(args, {"num_replicas": workers, "ray_actor_options": {"num_cpus": 1}},
                                  {"num_replicas": ingresses}), name=app, route_prefix=f"/{app}")
+
+
+def delete_app(app: str) -> None:
+    """Delete a test's own app and return at once; Serve stops its replicas in the background.
+
+    A blocking ``serve.delete`` spends ~7 s idle: the app's directory drains the long polls of callers that
+    are already gone (up to the routers' ``poll_timeout_s``, 5 s) before it stops. Nothing waits on that:
+    every test app has its own name and route prefix, and the session's ``serve.shutdown`` waits for whatever
+    is still draining.
+    """
+    serve.delete(app, _blocking=False)

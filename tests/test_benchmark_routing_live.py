@@ -97,6 +97,7 @@ def test_injected_load_cost_tops_up_disk_reads_and_prices_host_tier_hits(demo_as
 def test_one_row_of_the_multiplexed_baseline_with_expensive_loads(ray_cluster, demo_assets):
     """Serve's LRU really unloads (each load a registration), the injected disk cost shows in the
     baseline's own load timings, and the row's CPU and latency columns are filled."""
+    from fleet_helpers import delete_app
     from ray import serve
 
     from benchmarks.live.load_cost import LoadCost
@@ -117,7 +118,7 @@ def test_one_row_of_the_multiplexed_baseline_with_expensive_loads(ray_cluster, d
         stats = rl.sample_replicas(
             lambda: serve.get_deployment_handle(variant.deployment, app_name=variant.app).stats.remote(), 1)
     finally:
-        serve.delete(variant.app)
+        delete_app(variant.app)
     assert result["errors"] == 0 and sum(result["replica_requests"].values()) == 12
     assert result["loads"] > 0 and result["workers_cpu_ms"] > 0 and result["router_cpu_ms"] > 0
     snap = next(iter(stats.values()))

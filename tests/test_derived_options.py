@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 from conftest import FLEET_ARGS
+from fleet_helpers import delete_app
 from ray import serve
 from ray.serve._private.config import DeploymentConfig
 
@@ -76,4 +77,4 @@ def test_serve_refuses_to_start_a_worker_whose_options_contradict_the_derived_on
         message = serve.status().applications["contradiction"].deployments["LoRAWorker"].message  # its traceback
         assert f"max_ongoing_requests = 16, but build_fleet derives {parsed.max_batch_size}" in message
     finally:
-        serve.delete("contradiction")
+        delete_app("contradiction")

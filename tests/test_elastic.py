@@ -15,7 +15,7 @@ from typing import Self
 
 import pytest
 from conftest import fleet_app_args
-from fleet_helpers import live_replicas, real_pool, view_replicas
+from fleet_helpers import delete_app, live_replicas, real_pool, view_replicas
 from ray import serve
 from waiting import wait_until
 
@@ -37,7 +37,7 @@ def elastic(ray_cluster, demo_assets):
     handle = serve.run(app, name=APP, route_prefix=None)
     live_replicas(2, APP, timeout_s=120)
     yield handle
-    serve.delete(APP)
+    delete_app(APP)
 
 
 class Traffic:

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import pytest
 import ray
-from ray import serve
 from ray.exceptions import RayError
 
 from conftest import deploy_fleet
 from engine.request import GenerateRequest
-from fleet_helpers import directory, live_replicas, view_replicas
+from fleet_helpers import delete_app, directory, live_replicas, view_replicas
 from waiting import wait_until
 
 
@@ -26,7 +25,7 @@ def own_fleet(ray_cluster, demo_assets):
     app = "failover"
     handle = deploy_fleet(demo_assets, app, route_prefix=None)
     yield app, handle
-    serve.delete(app)
+    delete_app(app)
 
 
 def registry(handle) -> dict[str, str]:

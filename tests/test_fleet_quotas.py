@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from conftest import ADMIN_TOKEN, FLEET_ARGS
-from fleet_helpers import deploy_app, ingress_stats
+from fleet_helpers import delete_app, deploy_app, ingress_stats
 from waiting import wait_until
 
 APP = "quotas"
@@ -44,7 +44,7 @@ def quota_fleet(ray_cluster, http_base, demo_assets):
     seen = lambda: all(s["registry_version"] >= version for s in ingress_stats(handle, INGRESS_REPLICAS).values())
     wait_until(seen, 120, "every ingress replica to see the quota")
     yield {"base": base, "handle": handle, "leases": serve.get_deployment_handle("QuotaLeases", app_name=APP)}
-    serve.delete(APP)
+    delete_app(APP)
 
 
 def complete(base: str, prompt: str, max_tokens: int) -> httpx.Response:

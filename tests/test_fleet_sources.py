@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from conftest import ADMIN_TOKEN, FLEET_ARGS
+from fleet_helpers import delete_app
 from test_metrics import scrape, total
 from waiting import wait_until
 
@@ -64,7 +65,7 @@ def sources_fleet(ray_cluster, http_base, demo_assets, s3, resolve_root, tmp_pat
     worker_options = {"num_replicas": 2, "ray_actor_options": {"num_cpus": 1, "runtime_env": {"env_vars": s3.env()}}}
     serve.run(build_fleet(args, worker_options), name=APP, route_prefix=f"/{APP}")
     yield {"base": f"{http_base}/{APP}", "demo_dir": demo_dir}
-    serve.delete(APP)
+    delete_app(APP)
 
 
 def complete(base: str, model: str, prompt: str = "The fleet", max_tokens: int = 6) -> httpx.Response:

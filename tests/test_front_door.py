@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from conftest import ADMIN_TOKEN, FLEET_ARGS
-from fleet_helpers import deploy_app, ingress_stats
+from fleet_helpers import delete_app, deploy_app, ingress_stats
 from waiting import wait_until
 
 APP = "guarded"
@@ -26,8 +26,6 @@ INGRESS_INFLIGHT = 2
 
 @pytest.fixture(scope="module")
 def guarded(ray_cluster, http_base, demo_assets):
-    from ray import serve
-
     from deployments.config import AppArgs
 
     args = AppArgs(**{**FLEET_ARGS, "max_tokens_limit": 512, "max_model_len": 1024},
@@ -35,7 +33,7 @@ def guarded(ray_cluster, http_base, demo_assets):
                    max_prompt_chars=MAX_PROMPT_CHARS, max_queued_requests=INGRESS_INFLIGHT)
     handle = deploy_app(APP, args, workers=1, ingresses=2)
     yield {"base": f"{http_base}/{APP}", "handle": handle}
-    serve.delete(APP)
+    delete_app(APP)
 
 
 def outcome(call) -> str:

@@ -300,6 +300,7 @@ def test_second_app_admin_off_and_queue_bound_gives_429(ray_cluster, fleet, http
     """A second app: no admin token configured (403), and a queue bound of 2 (429 + Retry-After)."""
     import concurrent.futures
 
+    from fleet_helpers import delete_app
     from ray import serve
 
     from deployments.app import build_fleet
@@ -327,7 +328,7 @@ def test_second_app_admin_off_and_queue_bound_gives_429(ray_cluster, fleet, http
         limited = next(r for r in replies if r.status_code == 429)
         assert limited.headers["retry-after"] == "1" and limited.json()["error"]["type"] == "rate_limit_error"
     finally:
-        serve.delete("lorafleet-noadmin")
+        delete_app("lorafleet-noadmin")
 
 
 def test_concurrent_registrations_all_land(fleet, http_base):

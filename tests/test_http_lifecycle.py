@@ -8,10 +8,9 @@ import time
 import httpx
 import pytest
 import ray
-from ray import serve
 
 from conftest import ADMIN_TOKEN, deploy_fleet
-from fleet_helpers import live_replicas, real_pool
+from fleet_helpers import delete_app, live_replicas, real_pool
 from waiting import wait_until
 
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
@@ -144,7 +143,7 @@ def faults_fleet(ray_cluster, demo_assets):
     app = "lifecycle-faults"
     deploy_fleet(demo_assets, app, route_prefix="/faults")
     yield app
-    serve.delete(app)
+    delete_app(app)
 
 
 def test_a_worker_killed_mid_stream_ends_the_stream_with_an_error_event(faults_fleet, http_base):
