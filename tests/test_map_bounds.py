@@ -10,6 +10,9 @@ of a bogus name), so each has a budget:
 
 The directory's per-uid counts and the quota book have their own soaks (test_routing_directory,
 test_quota_leases).
+
+The hub soak runs in a subprocess of its own (``hub_soak``), started with the first in-process soak so that the
+two run side by side on two cores; its test reads the result.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -29,6 +33,7 @@ CYCLES = 10_000
 REGISTERED = 8   # adapters registered at once in the replica soak
 
 
+@pytest.mark.usefixtures("hub_soak")  # started beside this soak (module docstring)
 def test_replica_maps_stay_at_their_bounds_through_10000_registrations(demo_assets):
     """host_cache_bytes 0: the host tier keeps nothing, so every staged adapter waits in the handover."""
     from deployments.config import AppArgs
@@ -62,6 +67,7 @@ def one_kib(folder: Path) -> None:
     (folder / "adapter_model.safetensors").write_bytes(b"\0" * 1024)
 
 
+@pytest.mark.usefixtures("hub_soak")
 def test_node_cache_stays_within_its_byte_budget_through_10000_downloads(tmp_path):
     budget = 16 * 1024
     cache = NodeDownloadCache(tmp_path, max_bytes=budget, evict_grace_s=0)
@@ -120,13 +126,27 @@ HUB_SOAK = textwrap.dedent("""
 """)
 
 
-def test_hub_adapter_snapshots_stay_within_the_budget_through_10000_registrations(demo_assets, tmp_path):
+@pytest.fixture(scope="module")
+def hub_soak(demo_assets, tmp_path_factory) -> Iterator[subprocess.Popen]:
+    """HUB_SOAK's process, running from the first test that asks for it; stopped at the module's end if no test
+    read it."""
+    hub = tmp_path_factory.mktemp("soak") / "hub"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(hub), "HF_TOKEN": "hf_dummy"}
+    proc = subprocess.Popen([sys.executable, "-c", HUB_SOAK, str(hub), str(demo_assets.adapters["demo-0"]),
+                             str(demo_assets.model_dir), str(CYCLES)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=Path(__file__).parents[1])
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+
+
+def test_hub_adapter_snapshots_stay_within_the_budget_through_10000_registrations(hub_soak):
     """Offline (HF_HUB_OFFLINE=1), through huggingface_hub's real cache: the base model's snapshot is never
     counted or removed, and the adapter snapshots never exceed the budget."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_TOKEN": "hf_dummy"}
-    proc = subprocess.run([sys.executable, "-c", HUB_SOAK, str(tmp_path / "hub"), str(demo_assets.adapters["demo-0"]),
-                           str(demo_assets.model_dir), str(CYCLES)], env=env, capture_output=True, text=True,
-                          timeout=1800, cwd=Path(__file__).parents[1])
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    stdout, stderr = hub_soak.communicate(timeout=1800)
+    assert hub_soak.returncode == 0, stderr[-4000:]
+    out = json.loads(stdout.strip().splitlines()[-1])
     assert out["worst"] <= out["budget"] and out["left"] == 4 and out["base"], out
