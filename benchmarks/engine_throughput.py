@@ -322,7 +322,8 @@ def run(args) -> int:
                        floatfmt=".4g")
     decode_row = dict(decode)
     common.print_table([decode_row], ["batch", "context", "step_ms", "gemm_floor_ms", "bandwidth_floor_ms",
-                                      "step_over_gemms", "weight_mb", "copy_gb_s"],
+                                      "step_over_gemms", "gemm_floor_torch_ms", "step_over_torch_gemms", "weight_mb",
+                                      "copy_gb_s"],
                        title=f"\ndecode step, batch {DECODE_BATCH}, 8 adapters (request i on adapter i % 8)")
     common.print_table(latency, LATENCY_COLUMNS, floatfmt=".4g",
                        title=f"\nshort requests' latency while long prompts arrive (Poisson, {LATENCY_LOAD:.0%} of "

@@ -23,6 +23,7 @@ from .activation_profile import activation_reserve_bytes
 from .adapters import ReplicaAdapters
 from .block_manager import BlockManager
 from .config import EngineConfig
+from .cpu_gemm import onednn_linear
 from .detokenizer import IncrementalDetokenizer
 from .errors import EngineOverloadedError, EngineShutdownError, EngineUnhealthyError, RequestCancelledError
 from .fast_paths import choose_fast_paths
@@ -77,6 +78,8 @@ class LoRAEngine(StepLoop, EngineReadAPI):
         self.context.target_programs = self.tuning.lora_target_programs
         self.fast_paths = choose_fast_paths(model, self.pool, self.device, self.dtype, self.tuning)
         backend, kernels = self.fast_paths["attention"].used, self.fast_paths["lora_kernels"].fast
+        if self.fast_paths["cpu_gemm"].fast:
+            self.context.base_linear = onednn_linear
         self.max_num_batched_tokens = token_budget(config, self.device)
         reserve = 0 if config.kv_cache_bytes is not None else activation_reserve_bytes(
             model, self.pool, self.context, config, self.device, self.dtype, self.max_num_batched_tokens,

@@ -1,9 +1,9 @@
 """Which fast paths this engine uses, decided once at start by running each against the plain torch path.
 
-A fast path (FlashInfer attention, the Triton LoRA kernels) can fail on a machine the
+A fast path (FlashInfer attention, the Triton LoRA kernels, oneDNN's linear on the CPU) can fail on a machine the
 project never ran on: a missing compiler, a kernel the card's driver refuses, wrong
 numbers from a version mismatch. Each one the engine intends to use runs one tiny step at
-start (``engine.check_attention``, ``engine.check_lora``), which also compiles every
+start (``engine.check_attention``, ``engine.check_lora``, ``engine.cpu_gemm``), which also compiles every
 variant serving will need, so nothing compiles after the replica is ready. Any error, or a
 result further from the torch path than ``EngineTuning.check_tolerance`` allows, is logged
 once and the engine uses the torch path instead. The decisions are reported in
@@ -25,7 +25,7 @@ _logged: set[str] = set()
 class FastPath:
     """One decision: the path ``name`` runs on ``used`` (``intended`` is what the settings and device asked for)."""
 
-    name: str                       # "attention" | "lora_kernels"
+    name: str                       # "attention" | "lora_kernels" | "cpu_gemm"
     intended: str                   # the fast path's name, or "torch" when none was wanted
     used: str                       # what serves: the fast path's name or "torch"
     reason: str = ""                # why the torch path serves ("" when the fast path does)
@@ -76,7 +76,9 @@ def relative_error(got, expected) -> float:
 
 def choose_fast_paths(model, pool, device, dtype, tuning) -> dict[str, FastPath]:
     """The checked decision for each fast path (``attention``: flashinfer or torch; ``lora_kernels``: triton or
-    torch), in the order the engine needs them (attention decides the KV cache's layout)."""
+    torch; ``cpu_gemm``: onednn or torch), in the order the engine needs them (attention decides the KV cache's
+    layout)."""
+    from . import cpu_gemm
     from .attention import FLASHINFER_DTYPES, FLASHINFER_HEAD_DIMS
     from .check_attention import flashinfer_error
     from .check_lora import lora_kernel_error
@@ -98,4 +100,8 @@ def choose_fast_paths(model, pool, device, dtype, tuning) -> dict[str, FastPath]
     lora = decide("lora_kernels", "triton", tuning.lora_kernels,
                   None if on_cuda else "the Triton kernels compile for GPUs: the CPU runs the torch segment loop",
                   lambda: lora_kernel_error(pool, tuning.lora_target_programs, tuning.check_seed), tolerance)
-    return {"attention": attention, "lora_kernels": lora}
+    # never on another device, even when set to "fast": its GEMMs are the device's own
+    gemm = decide("cpu_gemm", "onednn", tuning.cpu_gemm if device.type == "cpu" else "auto",
+                  cpu_gemm.unsupported(device, dtype),
+                  lambda: cpu_gemm.gemm_error(dtype, tuning.check_seed), tolerance)
+    return {"attention": attention, "lora_kernels": lora, "cpu_gemm": gemm}

@@ -23,6 +23,7 @@ from torch import nn
 
 from pool.memory_pool import LoRAMemoryPool
 
+from .cpu_gemm import Linear, module_linear, project
 from .lora_padded import PaddedSegments, add_padded
 
 if TYPE_CHECKING:
@@ -46,6 +47,7 @@ class LoRABatchContext:
     plan: Optional["SegmentPlan"] = None  # the segments on the device, for the Triton kernels
     padded: Optional[PaddedSegments] = None  # a decode step's segments as one padded batch (no kernels)
     target_programs: int = 264  # split-K's aim for shrink programs (EngineTuning.lora_target_programs)
+    base_linear: Linear = module_linear  # how a base ``nn.Linear`` runs (``engine.cpu_gemm``: oneDNN on the CPU)
 
     def set_segments(self, segments: list[LoRASegment], device: Optional[torch.device] = None,
                      num_tokens: Optional[int] = None, decode_on: Optional[torch.device] = None) -> None:
@@ -83,7 +85,7 @@ class LoRALinear(nn.Module):
         return self.base.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.base(x)
+        out = self.context.base_linear(self.base, x)
         segments = self.context.segments
         if not segments:
             return out
@@ -121,16 +123,16 @@ def kernel_groups(targeted) -> list[tuple[str, ...]]:
     return groups + [(m,) for m in targeted if m not in fused]
 
 
-def fused_projections(modules: list[nn.Module], x: torch.Tensor) -> list[torch.Tensor]:
+def fused_projections(modules: list[nn.Module], x: torch.Tensor, linear: Linear = module_linear) -> list[torch.Tensor]:
     """``modules`` (q/k/v, or gate/up) applied to one input, their LoRA in one kernel pair when the step runs the
-    kernels (``LoRABatchContext.plan``); otherwise each module as it is."""
+    kernels (``LoRABatchContext.plan``); otherwise each module as it is (a plain ``nn.Linear`` through ``linear``)."""
     if not all(isinstance(m, LoRALinear) for m in modules) or modules[0].context.plan is None:
-        return [m(x) for m in modules]
-    outs = [m.base(x) for m in modules]
+        return [project(m, x, linear) for m in modules]
+    context = modules[0].context
+    outs = [context.base_linear(m.base, x) for m in modules]
     from . import lora_triton
 
     flat_x = x.reshape(-1, x.shape[-1])
-    context = modules[0].context
     lora_triton.add_lora_slices(flat_x, [m.a_buffer for m in modules], [m.bt_buffer for m in modules], context.plan,
                                 [o.view(-1, o.shape[-1]) for o in outs], context.target_programs)
     return outs

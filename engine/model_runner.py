@@ -20,6 +20,7 @@ from pool.memory_pool import LoRAMemoryPool
 
 from .attention import make_attention
 from .attention_layout import StepLayout
+from .cpu_gemm import project
 from .fused_ops import act_mul, apply_rope, signed_sine
 from .kv_cache import PagedKVCache
 from .lora_layers import LoRABatchContext, LoRASegment, fused_projections
@@ -105,7 +106,7 @@ class ModelRunner:
         # for token_logits: every token's hidden state, when it was kept
         self._last_step = (hidden, starts, order, [len(s.token_ids) for s in ordered]) if keep_all else None
         if all_logits:
-            logits = self.model.lm_head(hidden)
+            logits = self._project(self.model.lm_head, hidden)
             pieces = [logits[starts[j]:starts[j] + len(s.token_ids)] for j, s in enumerate(ordered)]
             result: list = [None] * len(seqs)
             for j, i in enumerate(order):
@@ -113,7 +114,7 @@ class ModelRunner:
             return torch.cat(result, dim=0)
         if keep_all and not decode:  # a decode step's rows already are its last tokens
             hidden = hidden.index_select(0, torch.tensor(last_rows, device=self.device))
-        logits = self.model.lm_head(hidden)
+        logits = self._project(self.model.lm_head, hidden)
         if order == list(range(len(order))):  # the inputs came in slot order: no reordering
             return logits
         inverse = torch.empty(len(order), dtype=torch.long, device=self.device)
@@ -127,7 +128,12 @@ class ModelRunner:
             raise RuntimeError("the last forward kept only each request's last token: mark the request scored")
         hidden, starts, order, lengths = self._last_step
         j = order.index(index)
-        return self.model.lm_head(hidden[starts[j]:starts[j] + lengths[j]])
+        return self._project(self.model.lm_head, hidden[starts[j]:starts[j] + lengths[j]])
+
+    def _project(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """``module(x)``; a plain ``nn.Linear`` (lm_head, an untargeted projection) as the LoRA layers run their base
+        (``LoRABatchContext.base_linear``: oneDNN on the CPU when its start-up check passed)."""
+        return project(module, x, self.context.base_linear)
 
     def _segments(self, ordered: list[SeqInput], starts: list[int],
                   lengths: Optional[list[int]] = None) -> list[LoRASegment]:
@@ -149,10 +155,11 @@ class ModelRunner:
         cos, sin = self.decoder.rotary_emb(h[None], layout.positions[None])
         cos, sin = cos[0][:, None, :], signed_sine(sin[0][:, None, :])
         T = h.shape[0]
+        linear = self.context.base_linear
         for li, layer in enumerate(self.decoder.layers):
             attn = layer.self_attn
             x = rms_norm(layer.input_layernorm, h)
-            q, k, v = fused_projections([attn.q_proj, attn.k_proj, attn.v_proj], x)
+            q, k, v = fused_projections([attn.q_proj, attn.k_proj, attn.v_proj], x, linear)
             q = q.view(T, self.num_heads, self.head_dim)
             k = k.view(T, self.num_kv_heads, self.head_dim)
             v = v.view(T, self.num_kv_heads, self.head_dim)
@@ -167,9 +174,9 @@ class ModelRunner:
                 h, o = h.index_select(0, keep), o.index_select(0, keep)
                 self.context.set_segments(self._segments(ordered, list(range(len(rows))), [1] * len(rows)),
                                           self.kernel_device, num_tokens=len(rows), decode_on=self.device)
-            h = h + attn.o_proj(o)
+            h = h + project(attn.o_proj, o, linear)
             mlp = layer.mlp
             gate, up = fused_projections([mlp.gate_proj, mlp.up_proj],
-                                         rms_norm(layer.post_attention_layernorm, h))
-            h = h + mlp.down_proj(act_mul(mlp.act_fn, gate, up))
+                                         rms_norm(layer.post_attention_layernorm, h), linear)
+            h = h + project(mlp.down_proj, act_mul(mlp.act_fn, gate, up), linear)
         return rms_norm(self.decoder.norm, h)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from deployments.config import AppArgs
-from engine import fast_paths
+from engine import cpu_gemm, fast_paths
 from engine.engine import LoRAEngine
 from engine.request import GenerateRequest
 from engine.tuning import EngineTuning
@@ -44,10 +44,11 @@ def serve_two_adapters(engine: LoRAEngine, demo_assets) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def torch_tokens(demo_assets) -> list[list[int]]:
-    engine = build(demo_assets, attention="torch", lora_kernels="torch")
+    engine = build(demo_assets, attention="torch", lora_kernels="torch", cpu_gemm="torch")
     try:
         paths = engine.stats()["fast_paths"]
-        assert paths["lora_kernels"]["used"] == paths["attention"]["used"] == "torch"
+        assert paths["lora_kernels"]["used"] == paths["attention"]["used"] == paths["cpu_gemm"]["used"] == "torch"
+        assert engine.context.base_linear is cpu_gemm.module_linear
         assert paths["lora_kernels"]["reason"] == "set to torch"
         return serve_two_adapters(engine, demo_assets)
     finally:
@@ -198,8 +199,45 @@ def test_a_broken_flashinfer_falls_back_to_torch(demo_assets, torch_tokens, monk
         engine.shutdown()
 
 
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+def test_auto_on_the_cpu_runs_the_base_gemms_on_onednn(demo_assets, torch_tokens):
+    engine = build(demo_assets)
+    try:
+        gemm = engine.stats()["fast_paths"]["cpu_gemm"]
+        assert gemm["intended"] == gemm["used"] == "onednn" and gemm["check_error"] <= 1e-5
+        assert engine.context.base_linear is cpu_gemm.onednn_linear
+        assert serve_two_adapters(engine, demo_assets) == torch_tokens
+    finally:
+        engine.shutdown()
+
+
+def _onednn_raises(module, x):
+    raise RuntimeError("could not create a primitive descriptor for an inner product forward propagation primitive")
+
+
+def _onednn_wrong(module, x):
+    return module(x) + 1.0
+
+
+@pytest.mark.parametrize("broken, reason", [(_onednn_raises, "primitive descriptor"), (_onednn_wrong, "differs from torch")])
+def test_a_broken_onednn_linear_falls_back_to_torch(demo_assets, torch_tokens, monkeypatch, fresh_log, caplog, broken,
+                                                    reason):
+    monkeypatch.setattr(cpu_gemm, "onednn_linear", broken)
+    engine = build(demo_assets, cpu_gemm="fast")
+    try:
+        gemm = engine.stats()["fast_paths"]["cpu_gemm"]
+        assert gemm["intended"] == "onednn" and gemm["used"] == "torch" and reason in gemm["reason"]
+        assert engine.context.base_linear is cpu_gemm.module_linear
+        assert serve_two_adapters(engine, demo_assets) == torch_tokens
+        assert sum("cpu_gemm:" in r.getMessage() for r in caplog.records) == 1  # logged once
+    finally:
+        engine.shutdown()
+
+
 def test_unknown_tuning_values_are_refused():
     with pytest.raises(ValueError, match="lora_kernels"):
         EngineTuning(lora_kernels="cuda")
+    with pytest.raises(ValueError, match="cpu_gemm"):
+        EngineTuning(cpu_gemm="mkl")
     with pytest.raises(ValueError, match="lora_target_programs"):
         EngineTuning(lora_target_programs=0)

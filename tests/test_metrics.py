@@ -6,6 +6,7 @@ import re
 from collections import defaultdict
 
 import httpx
+import torch
 
 from conftest import FLEET_ARGS
 from metric_names import prometheus_series
@@ -75,9 +76,12 @@ def test_metrics_after_traffic(fleet, metrics_url):
     assert decisions.get("affinity", 0) > 0 and sum(decisions.values()) >= 40
     assert total(series, "ray_lorafleet_directory_events_total") >= loads
     assert total(series, "ray_lorafleet_directory_replicas") >= 1
-    # each worker replica says what its fast paths serve on: here (CPU, dtype auto) torch for both, as decided
+    # each worker replica says what its fast paths serve on: here (CPU, dtype auto) torch attention and LoRA, as
+    # decided, and the base GEMMs on oneDNN where this torch has it (``engine.cpu_gemm``)
     fast = {(l["replica"], l["path"]): (l["intended"], l["used"]) for l, v in series["ray_lorafleet_engine_fast_path"]
             if v == 1}
     replicas = {l["replica"] for l in workers}
-    assert {path for _, path in fast} == {"attention", "lora_kernels"} and {r for r, _ in fast} == replicas
-    assert all(used == "torch" for _, used in fast.values()), fast
+    assert {path for _, path in fast} == {"attention", "lora_kernels", "cpu_gemm"} and {r for r, _ in fast} == replicas
+    assert all(used == "torch" for (_, path), (_, used) in fast.items() if path != "cpu_gemm"), fast
+    gemm = "onednn" if torch.backends.mkldnn.is_available() else "torch"
+    assert all(used == gemm for (_, path), (_, used) in fast.items() if path == "cpu_gemm"), fast

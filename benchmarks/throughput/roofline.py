@@ -3,8 +3,11 @@
 - step: ``ModelRunner.forward`` of B one-token requests (request i on adapter i % 8) over a
   cached context, plus the greedy argmax the engine takes: the engine's device work per step.
 - GEMM floor: the same step's dense matmuls alone (base weights: q/k/v/o/gate/up/down per
-  layer and lm_head, B tokens), in the same process and threads: what the hardware needs
-  at the least for that step, with no attention, LoRA, norms or bookkeeping.
+  layer and lm_head, B tokens), in the same process and threads, run as the engine runs them
+  (``LoRABatchContext.base_linear``: oneDNN's linear on the CPU when its start-up check passed,
+  ``engine.cpu_gemm``): what the hardware needs at the least for that step, with no attention,
+  LoRA, norms or bookkeeping. ``gemm_floor_torch_ms`` times the same matmuls with ``F.linear`` (MKL on the
+  CPU): the floor of earlier rounds, when the engine ran its GEMMs that way.
 - bandwidth floor: the bytes of those weights over the machine's copy bandwidth (bytes read
   and written per second by a large ``Tensor.copy_``): reading the weights once.
 The three take turns each repeat, so drift hits them alike, on the engine thread (between two of its steps), as
@@ -41,6 +44,13 @@ def base_weights(model) -> list[torch.Tensor]:
             weights.append(module.weight.detach())
     weights.append(model.lm_head.weight.detach())
     return weights
+
+
+def _as_linear(weight: torch.Tensor) -> torch.nn.Linear:
+    """An ``nn.Linear`` holding ``weight`` (no copy), for the engine's ``base_linear``."""
+    module = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    module.weight = torch.nn.Parameter(weight, requires_grad=False)
+    return module
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 256 << 20, repeats: int = 5) -> float:
@@ -92,17 +102,26 @@ def _measure_decode(engine: LoRAEngine, weights: Sequence[torch.Tensor], adapter
             engine.runner.forward(seqs).argmax(dim=-1).tolist()
 
         xs = {w.shape[1]: torch.randn(batch, w.shape[1], device=device, dtype=w.dtype) for w in weights}
+        modules = [_as_linear(w) for w in weights]
+        linear = engine.context.base_linear
 
         def gemms():
+            for m in modules:
+                linear(m, xs[m.weight.shape[1]])
+
+        def torch_gemms():
             for w in weights:
                 F.linear(xs[w.shape[1]], w)
 
-        times = common.time_alternating({"step": step, "gemms": gemms}, repeats=repeats, warmup=2, sync=sync)
+        times = common.time_alternating({"step": step, "gemms": gemms, "torch_gemms": torch_gemms}, repeats=repeats,
+                                        warmup=2, sync=sync)
     weight_bytes = sum(w.numel() * w.element_size() for w in weights)
     bandwidth = copy_bandwidth(device)
     step_ms = common.median(times["step"]) * 1e3
     gemm_ms = common.median(times["gemms"]) * 1e3
     paired = common.median(step / gemms for step, gemms in zip(times["step"], times["gemms"]))
+    over_torch = common.median(step / gemms for step, gemms in zip(times["step"], times["torch_gemms"]))
     return {"batch": batch, "context": context, "step_ms": step_ms, "gemm_floor_ms": gemm_ms,
+            "gemm_floor_torch_ms": common.median(times["torch_gemms"]) * 1e3, "step_over_torch_gemms": over_torch,
             "bandwidth_floor_ms": weight_bytes / bandwidth * 1e3, "weight_mb": weight_bytes / 2**20,
             "copy_gb_s": bandwidth / 1e9, "step_over_gemms": paired}
