@@ -430,9 +430,10 @@ class CpuFleet(EventLoop):
         return CpuFleetResult(self.cfg.variant, self.concurrency, n, n / wall if wall > 0 else float("nan"),
                               float(np.percentile(lat, 50)), float(np.percentile(lat, 99)), self.loads,
                               self.share_sum / max(1, self.share_n), 1000.0 * self.workers_cpu_s / max(1, n),
-                              **self._serve_stats(n, wall, first))
+                              **self._serve_stats(n))
 
-    def _serve_stats(self, n: int, wall: float, first: float) -> dict:
+    def _serve_stats(self, n: int) -> dict:
+        """Refusals per request and the replicas' idle share; with Serve's cache modelled, its sends and probes."""
         out = {"refusals_per_request": self.refusals / max(1, n),
                "idle_share": float(np.mean(self.idle_s)) / self.now if self.now > 0 else float("nan")}
         cache = self.serve_cache
