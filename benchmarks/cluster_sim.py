@@ -324,8 +324,8 @@ def routing_live_check(path: str, live: dict) -> tuple[list[dict], int, int]:
 
 def fleet_live_check(path: str, live: dict) -> tuple[list[dict], int, int]:
     """Replay a fleet_live run (``benchmarks.sim.fleet_replay``): (agreement rows, pairs alike, pairs ranked)."""
-    from .sim.fleet_replay import (agreement_with_live, live_host_costs, live_model_id_delays, live_replica_ids,
-                                   live_starts, replay_fleet_live)
+    from .sim.fleet_replay import (agreement_with_live, live_deploys, live_host_costs, live_model_id_delays,
+                                   live_replica_ids, live_starts, replay_fleet_live)
 
     live_rows = live["rows"]
     variants = sorted({r["variant"] for r in live_rows})
@@ -334,7 +334,7 @@ def fleet_live_check(path: str, live: dict) -> tuple[list[dict], int, int]:
                                 cpu_count=(live["metadata"].get("machine") or {}).get("cpu_count"),
                                 host_costs=live_host_costs(live_rows),
                                 replica_ids=live_replica_ids(live_rows, live["metadata"]["settings"]["replicas"]),
-                                model_id_delays=live_model_id_delays(live_rows))
+                                model_id_delays=live_model_id_delays(live_rows), deploys=live_deploys(live_rows))
     agreement = agreement_with_live(live_rows, sim_rows)
     print()
     common.print_table(agreement["rows"], floatfmt=".0f",

@@ -231,6 +231,19 @@ class Fleet:
                     totals[key] = totals.get(key, 0) + value
         return totals
 
+    def adapter_contents(self) -> dict[str, dict]:
+        """Replica id -> the adapter names in its slots and host tier now (``EmulatedLoRAWorker.adapter_contents``)."""
+        from ray import serve
+
+        from engine.request import ReplicaTarget
+
+        handle = serve.get_deployment_handle("LoRAWorker", app_name=APP)
+        out = {}
+        for rid in self._replica_ids():
+            got = handle.adapter_contents.remote(ReplicaTarget(rid)).result()
+            out[rid] = {"slots": got["slots"], "host": got["host"]}
+        return out
+
     def load_sources(self) -> tuple[dict, dict]:
         """Fleet-wide slot loads per adapter name so far (the directory's counts, from every pool's events) and the
         current placement plan: which loads were planned holders filling, and which were thrash."""
@@ -288,6 +301,7 @@ def measure(fleet: Fleet, seg: Segment, requests: list, meter, started_at: float
     before = fleet.emulation_totals()
     loads_before = before["loads"]
     counts_before, plan_before = fleet.load_sources()
+    pools_before = fleet.adapter_contents()
     kinds_before = fleet.decisions()
     if fleet.multiplexed:
         fleet.model_id_lags()  # forget the loads and sightings before this segment
@@ -335,6 +349,9 @@ def measure(fleet: Fleet, seg: Segment, requests: list, meter, started_at: float
         "replica_of": out["replicas"],
         # multiplexing: a load's start to the client's router seeing the model id (benchmarks.live.model_id_lag)
         "model_id_lag_s": [round(x, 4) for x in lags],
+        # the fleet as the segment began: each replica's slots and host tier, and the plan's holders (a replay that
+        # disagrees is traced to where its state first differs from these)
+        "pools_at_start": pools_before, "plan_at_start": {k: plan_before[k] for k in ("version", "holders", "busy", "slotted") if k in plan_before},
     }
     print(f"  {fleet.variant:>11} {seg.name:>10} loads={loads:4d} (planned {sources['loads_planned']}, repeated "
           f"{sources['loads_repeated']}, plan moves {row['plan_moves']}) ttft p50={row['ttft_p50_ms']:7.0f} "
@@ -372,6 +389,7 @@ def run_variant(fleet: Fleet, variant: str, segments: list[Segment], payloads: d
     rows = []
     started_at = time.time()
     asked: set[str] = set()  # adapters asked for so far in this variant's replay
+    warmup: Optional[dict] = None
     for seg in segments:
         row = measure(fleet, seg, payloads[seg.name], meter, started_at)
         names = {name for _, name, _, _ in payloads[seg.name]}
@@ -379,6 +397,11 @@ def run_variant(fleet: Fleet, variant: str, segments: list[Segment], payloads: d
         asked |= names
         if seg.measured:
             rows.append(row)
+        elif warmup is None:  # the warm-up: its state and outcome go with the first measured row
+            warmup = {k: row[k] for k in ("loads", "decisions", "pools_at_start", "plan_at_start", "start_s",
+                                          "ttft_p50_ms", "ttft_p99_ms")}
+    if rows and warmup is not None:
+        rows[0]["warmup"] = warmup
     return rows
 
 
@@ -493,14 +516,14 @@ def main(argv=None) -> list[dict]:
     if not args.no_sim:
         import os
 
-        from .sim.fleet_replay import (agreement_with_live, live_host_costs, live_model_id_delays, live_replica_ids,
-                                       live_starts, replay_fleet_live)
+        from .sim.fleet_replay import (agreement_with_live, live_deploys, live_host_costs, live_model_id_delays,
+                                       live_replica_ids, live_starts, replay_fleet_live)
 
         # the segments at the offsets they had here, on this machine's CPU count (the workers' read threads)
         sim_rows = replay_fleet_live(_settings(args, segments, costs), args.variants, starts=live_starts(rows),
                                      cpu_count=os.cpu_count(), host_costs=live_host_costs(rows),
                                      replica_ids=live_replica_ids(rows, args.replicas),
-                                     model_id_delays=live_model_id_delays(rows))
+                                     model_id_delays=live_model_id_delays(rows), deploys=live_deploys(rows))
         agreement = agreement_with_live(rows, sim_rows)
     columns = ["segment", "variant", "loads", "first_requests", "ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms", "req_per_s",
                "errors", "client_cpu_ms", "fleet_cpu_share", "machine_cpu_share"]

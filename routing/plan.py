@@ -109,6 +109,16 @@ class FleetPlanner:
         self._over_since: dict[str, float] = {}  # replica -> since when its planned load is above the bound
         self._replica_ids: set[str] = set()
 
+    def resume(self, plan: PlacementPlan) -> None:
+        """Carry on from ``plan`` as if this planner had made it with no demand measured yet: each adapter keeps
+        its holder count, no hysteresis timer runs, and the replicas it names are the known set. For a fleet
+        whose plan was recorded before traffic began (``benchmarks.fleet_live`` records the deploy's plan, and its
+        replay starts there instead of re-enacting the order in which sixteen replicas came up)."""
+        self.plan = plan
+        self._count = {a: len(holders) for a, holders in plan.holders.items() if holders}
+        self._since, self._low_since, self._over_since = {}, {}, {}
+        self._replica_ids = {r for holders in plan.holders.values() for r in holders} | set(plan.slotted)
+
     def update(self, now: float, demand: Mapping[str, float], replicas: Sequence[ReplicaSlots],
                registered: Iterable[str] = (), rebalance_now: bool = False,
                popularity: Optional[Mapping[str, float]] = None) -> PlacementPlan:

@@ -52,6 +52,24 @@ def test_a_host_tier_reread_costs_the_read_of_its_rank(emulated, demo_assets):
     assert emulation.disk_seconds == pytest.approx(2 * costs.disk_read_s(8))
 
 
+def test_a_worker_reports_the_adapter_names_in_its_slots_and_host_tier(emulated, demo_assets):
+    """What ``fleet_live`` records at each segment's start (a replay starts from the deploy's): names, not uids."""
+    from types import SimpleNamespace
+
+    from benchmarks.live.emulated_workers import EmulatedLoRAWorker
+    from engine.request import ReplicaTarget
+
+    engine, _, _ = emulated
+    for name in ("demo-1", "demo-2"):
+        engine.register_adapter(name, str(demo_assets.adapters[name]))
+    engine.generate_blocking(GenerateRequest(adapter="demo-1", token_ids=[11] * 8, max_tokens=1, ignore_eos=True))
+    worker = SimpleNamespace(replica_id="r1", engine=engine)
+    got = EmulatedLoRAWorker.adapter_contents(worker)
+    assert got == {"replica_id": "r1", "slots": ["demo-1"], "host": ["demo-1", "demo-2"]}
+    with pytest.raises(RuntimeError, match="reached replica r1"):
+        EmulatedLoRAWorker.adapter_contents(worker, ReplicaTarget("r2"))
+
+
 def test_the_hash_peer_orders_replicas_by_rendezvous_and_the_variant_router_names_its_choices(monkeypatch):
     ids = tuple(f"r{i}" for i in range(6))
     assert list(_order("demo-3", ids)) == rendezvous_order("demo-3", list(ids))

@@ -367,3 +367,39 @@ def test_multiplexing_routes_on_model_ids_as_late_as_the_live_run_measured():
     assert loads(0.5) == 2   # still unheard: the other replica (fewest models) loads it too
     rows = [{"variant": "multiplexed", "model_id_lag_s": [0.2, 0.3, 0.9]}, {"variant": "pow2"}]
     assert live_model_id_delays(rows) == {"multiplexed": pytest.approx(0.3 - 0.05)}
+
+
+def test_a_replay_starts_from_the_fleet_a_live_deploy_recorded():
+    """``scale_events.deployed_as_recorded``: each replica's slots and host tier and the directory's plan are
+    what ``fleet_live`` recorded when its warm-up began (not a model of the order the replicas came up in);
+    ``live_deploys`` finds them in the first measured row, and a replay of a warm-started variant uses them."""
+    from benchmarks.sim.fleet_replay import live_deploys
+    from benchmarks.sim.scale_events import deployed_as_recorded
+
+    ids = ("ks96whxa", "nd2gm6c9")
+    pools = {"ks96whxa": {"slots": ["demo-1", "demo-3"], "host": ["demo-1", "demo-3", "demo-5"]},
+             "nd2gm6c9": {"slots": ["demo-0"], "host": ["demo-0", "demo-2"]}}
+    plan = {"version": 7, "holders": {"demo-1": ["ks96whxa"], "demo-3": ["ks96whxa"], "demo-0": ["nd2gm6c9"]},
+            "busy": [], "slotted": {"ks96whxa": ["demo-1", "demo-3"], "nd2gm6c9": ["demo-0"]}}
+    trace = hand_trace([(0.0, a, 10, 1) for a in range(6)], ranks=[8] * 6)
+    sim = Simulator(trace, SimConfig(replicas=2, router="affinity", slots=2, warmup_fraction=0.0, replica_ids=ids,
+                                     adapter_names="demo-{}"))
+    deployed_as_recorded(sim, pools, plan)
+    for replica in sim.replicas:
+        assert sorted(replica.pool.uid_to_slot) == pools[replica.rid]["slots"]
+        assert sorted(replica.host.uids()) == pools[replica.rid]["host"]
+        assert replica.planned == {a for a, rs in plan["holders"].items() if replica.rid in rs}
+    assert sim.directory.planner.plan.version == 7 and sim.directory.planner.plan.holders["demo-0"] == ("nd2gm6c9",)
+    with pytest.raises(ValueError, match="replicas the simulated fleet does not have"):
+        deployed_as_recorded(Simulator(trace, SimConfig(replicas=2, router="affinity", slots=2, replica_ids=ids,
+                                                        adapter_names="demo-{}")), {"elsewhere": pools["ks96whxa"]}, plan)
+
+    warmup = {"pools_at_start": pools, "plan_at_start": plan, "loads": 3}
+    rows = [{"variant": "affinity", "segment": "a", "warmup": warmup}, {"variant": "affinity", "segment": "b"},
+            {"variant": "pow2", "segment": "a", "warmup": warmup}]
+    assert live_deploys(rows) == {"affinity": warmup}  # only warm-started variants start from a recorded deploy
+    settings = tiny_settings()
+    deployed = replay_variant(settings, "affinity", replica_ids=ids, deployed=warmup)
+    modelled = replay_variant(settings, "affinity", replica_ids=ids)
+    assert deployed == replay_variant(settings, "affinity", replica_ids=ids, deployed=warmup)  # deterministic
+    assert deployed[0]["loads"] != modelled[0]["loads"] or deployed[0]["ttft_p50_ms"] != modelled[0]["ttft_p50_ms"]

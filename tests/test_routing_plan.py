@@ -272,3 +272,26 @@ def test_a_version_planned_before_its_adapter_takes_the_adapter_along():
     plan = FleetPlanner().update(0.0, {"support@v2": 1.0}, replicas(n=4),
                                  registered=["support", "support@v2", "a", "b", "c"])
     assert plan.holders["support"] == plan.holders["support@v2"]
+
+
+def test_a_resumed_planner_carries_on_from_a_recorded_plan_without_moving_it():
+    """``FleetPlanner.resume``: a replay that starts from the plan a live deploy recorded keeps its holders, their
+    counts and its version under the same demand (a planner handed only the plan would drop demo-0's second
+    holder at once), and a hot adapter still grows only after the grow delay, timed from the resume."""
+    cfg = RoutingSettings(grow_after_s=5.0)
+    reps = replicas(n=4, slots=4)
+    demand = {a: 0.5 for a in DEMO}
+    recorded = PlacementPlan(9, {"demo-0": ("r2", "r3"), "demo-1": ("r3",), "demo-2": ("r2",), "demo-3": ("r2",),
+                                 "demo-4": ("r1",), "demo-5": ("r0",)}, frozenset(),
+                             {"r3": ("demo-0", "demo-1"), "r2": ("demo-0", "demo-2", "demo-3"), "r1": ("demo-4",),
+                              "r0": ("demo-5",)})
+    planner = FleetPlanner(cfg)
+    planner.resume(PlacementPlan.from_dict(recorded.to_dict()))
+    again = planner.update(1.0, demand, reps)
+    assert again.version == 9 and again.holders == recorded.holders
+    handed = FleetPlanner(cfg)
+    handed.plan = recorded
+    assert handed.update(1.0, demand, reps).holders["demo-0"] == ("r2",)
+    demand["demo-5"] = 8 * 2.5
+    assert len(planner.update(2.0, demand, reps).holders["demo-5"]) == 1  # the timer starts now, not at resume
+    assert len(planner.update(7.5, demand, reps).holders["demo-5"]) > 1

@@ -20,6 +20,7 @@ from ray import serve
 
 from deployments.worker import LoRAWorker
 from engine.request import GenerateRequest, GenerateResult, ReplicaTarget
+from routing.identity import name_of
 
 from ..sim.costs import CostModel
 from .emulated import EmulatedCosts
@@ -101,6 +102,15 @@ class EmulatedLoRAWorker(LoRAWorker.func_or_class):
             raise RuntimeError(f"stats for {target.target_replica} reached replica {self.replica_id}")
         return {"replica_id": self.replica_id, **self.emulation.stats(), **self.mux.counts(),
                 "loads": self.engine.pool_snapshot().counters.loads}
+
+    def adapter_contents(self, target: Optional[ReplicaTarget] = None) -> dict:
+        """The adapter names in this replica's slots and host tier now: ``fleet_live`` records the fleet's at each
+        segment's start, so a replay that disagrees can be traced to where its pools first differ."""
+        if target is not None and target.target_replica != self.replica_id:
+            raise RuntimeError(f"contents for {target.target_replica} reached replica {self.replica_id}")
+        return {"replica_id": self.replica_id,
+                "slots": sorted(name_of(u) for u in self.engine.pool_snapshot().resident),
+                "host": sorted(name_of(u) for u in self.engine.host_cached_uids())}
 
     def take_mux_load_starts(self, target: Optional[ReplicaTarget] = None) -> list[tuple[str, str, float]]:
         """``(replica id, model, wall time)`` of each multiplexed load begun since the last call

@@ -152,7 +152,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     import json
 
     from .. import common
-    from .fleet_replay import live_host_costs, live_model_id_delays, live_replica_ids, live_starts, replay_fleet_live
+    from .fleet_replay import (live_deploys, live_host_costs, live_model_id_delays, live_replica_ids, live_starts,
+                               replay_fleet_live)
 
     parser = argparse.ArgumentParser(description=main.__doc__.split("\n\n")[0])
     parser.add_argument("--live-json", required=True, help="a fleet_live --json run")
@@ -172,7 +173,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     ids = live_replica_ids(live["rows"], live["metadata"]["settings"]["replicas"])
     delays = live_model_id_delays(live_rows)  # as fleet_live and cluster_sim replay it: the same agreement
     sim_rows = replay_fleet_live(live["metadata"]["settings"], variants, starts=live_starts(live_rows), cpu_count=cpus,
-                                 host_costs=live_host_costs(live_rows), replica_ids=ids, model_id_delays=delays)
+                                 host_costs=live_host_costs(live_rows), replica_ids=ids, model_id_delays=delays,
+                                 deploys=live_deploys(live_rows))
     agreement = agreement_with_live(live_rows, sim_rows)
     common.print_table(agreement["rows"], floatfmt=".0f",
                        title=f"fleet_live replayed ({args.live_json}): live vs sim loads and TTFT ms, within 10% / 25%")
@@ -186,7 +188,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         members = [agreement_with_live(live_rows, replay_fleet_live(
             live["metadata"]["settings"], variants, starts=live_starts(live_rows), jitter_s=args.jitter_ms / 1000,
             seed=1 + k, cpu_count=cpus, host_costs=live_host_costs(live_rows), replica_ids=ids,
-            model_id_delays=delays))
+            model_id_delays=delays, deploys=live_deploys(live_rows)))
             for k in range(args.ensemble)]
         print()
         common.print_table(ensemble_rows(members), title=f"{args.ensemble} replays, arrivals up to {args.jitter_ms:g} ms "

@@ -47,9 +47,10 @@ from ..traces import Trace
 from .costs import CostModel
 from .fleet import Simulator
 from .fleet_agreement import agreement_with_live
-from .scale_events import warm_start_at_deploy
+from .scale_events import deployed_as_recorded, warm_start_at_deploy
 
-__all__ = ["agreement_with_live", "live_starts", "HostCosts", "live_host_costs", "live_model_id_delays", "live_replica_ids", "replay_fleet_live",
+__all__ = ["agreement_with_live", "live_starts", "HostCosts", "live_deploys", "live_host_costs", "live_model_id_delays",
+           "live_replica_ids", "replay_fleet_live",
            "replay_variant"]
 
 VARIANT_ROUTER = {"affinity": "affinity", "multiplexed": "multiplex", "pow2": "pow2", "hash": "hash"}
@@ -130,6 +131,18 @@ def live_model_id_delays(live_rows: Sequence[Mapping]) -> dict[str, float]:
     return {v: max(0.0, float(np.median(x)) - push_s / 2) for v, x in lags.items() if x}
 
 
+def live_deploys(live_rows: Sequence[Mapping]) -> dict[str, dict]:
+    """variant -> its fleet as the live deploy left it (``pools_at_start`` and ``plan_at_start`` of its warm-up,
+    which ``fleet_live`` keeps in the first measured row's ``warmup``), for the variants a fresh deploy starts
+    (``WARM_STARTED``); empty for runs that did not record it (their replay models the deploy)."""
+    out: dict[str, dict] = {}
+    for r in live_rows:
+        w = r.get("warmup") or {}
+        if r["variant"] in WARM_STARTED and w.get("pools_at_start") and w.get("plan_at_start"):
+            out.setdefault(r["variant"], w)
+    return out
+
+
 def live_replica_ids(live_rows: Sequence[Mapping], replicas: int) -> Optional[tuple[str, ...]]:
     """The live run's replica ids (sorted), from its rows' ``replica_of``, when every one of the ``replicas``
     served a request there; else None. Hashing routers, the plan's ties and the standby copies all order replicas
@@ -182,13 +195,15 @@ def read_threads(cpu_count: Optional[int]) -> Optional[int]:
 def replay_variant(settings: Mapping, variant: str, starts: Optional[Mapping[str, float]] = None,
                    jitter_s: float = 0.0, seed: Optional[int] = None, cpu_count: Optional[int] = None,
                    host_costs: HostCosts = HostCosts(), replica_ids: Optional[Sequence[str]] = None,
-                   model_id_delay_s: Optional[float] = None) -> list[dict]:
+                   model_id_delay_s: Optional[float] = None, deployed: Optional[Mapping] = None) -> list[dict]:
     """One variant's segments on one simulated fleet; a row per segment, the warm-up's included.
     ``jitter_s`` and ``seed`` (the routers' draws, the jitter's and, without ``replica_ids``, Serve-like random replica ids; default the run's
     seed and ids replica-0000...): see ``jittered``. ``cpu_count``: the live machine's (``read_threads``).
     ``host_costs``: what the live replicas paid beyond the emulated device (``live_host_costs``). ``replica_ids``:
     the live run's (``live_replica_ids``); None: ``replica-0000...``, or Serve-like random ids for other seeds.
-    ``model_id_delay_s``: multiplexing's push -> router delay the live run measured (``live_model_id_delays``)."""
+    ``model_id_delay_s``: multiplexing's push -> router delay the live run measured (``live_model_id_delays``).
+    ``deployed``: the fleet as the live deploy left it (``live_deploys``): with the live ``replica_ids``, a
+    warm-started variant starts from it (``scale_events.deployed_as_recorded``) instead of a model of the deploy."""
     if variant not in VARIANT_ROUTER:
         raise ValueError(f"unknown variant {variant!r}; choose one of {sorted(VARIANT_ROUTER)}")
     args, costs, routing = _args(settings), costs_of(settings), routing_of(settings)
@@ -212,7 +227,9 @@ def replay_variant(settings: Mapping, variant: str, starts: Optional[Mapping[str
                        replica_id_seed=None if jitter_s <= 0 and seed == int(args.seed) else seed,
                        replica_ids=tuple(replica_ids) if replica_ids is not None else None)
     sim = Simulator(first, config)
-    if variant in WARM_STARTED:
+    if variant in WARM_STARTED and deployed is not None and replica_ids is not None:
+        deployed_as_recorded(sim, deployed["pools_at_start"], deployed["plan_at_start"])
+    elif variant in WARM_STARTED:
         warm_start_at_deploy(sim)
     rows, end = [], 0.0
     for seg, trace in zip(segments, traces):
@@ -230,7 +247,8 @@ def replay_fleet_live(settings: dict, variants: list[str],
                       cpu_count: Optional[int] = None,
                       host_costs: Optional[Mapping[str, HostCosts]] = None,
                       replica_ids: Optional[Sequence[str]] = None,
-                      model_id_delays: Optional[Mapping[str, float]] = None) -> list[dict]:
+                      model_id_delays: Optional[Mapping[str, float]] = None,
+                      deploys: Optional[Mapping[str, Mapping]] = None) -> list[dict]:
     """Every variant's measured segments, simulated: rows ``{variant, segment, loads, ttft_p50_ms,
     ttft_p99_ms, e2e_p50_ms, e2e_p99_ms, ...}`` as ``fleet_live`` reports them. ``starts``: variant ->
     segment -> live ``start_s`` (``live_starts``); without it, segments run back to back. ``jitter_s``,
@@ -238,11 +256,12 @@ def replay_fleet_live(settings: dict, variants: list[str],
     as it was sent; pass the live machine's CPU count: it bounds the workers' concurrent disk reads).
     ``host_costs``: variant -> its measured ``HostCosts`` (``live_host_costs``; none: nothing beyond the device).
     ``replica_ids``: the live run's (``live_replica_ids``). ``model_id_delays``: variant -> its measured
-    model-id delay (``live_model_id_delays``)."""
+    model-id delay (``live_model_id_delays``). ``deploys``: variant -> its fleet as the live deploy left it
+    (``live_deploys``; used with the live ``replica_ids`` only)."""
     out = []
     for variant in variants:
         rows = replay_variant(settings, variant, (starts or {}).get(variant), jitter_s, seed, cpu_count,
                               (host_costs or {}).get(variant, HostCosts()), replica_ids,
-                              (model_id_delays or {}).get(variant))
+                              (model_id_delays or {}).get(variant), (deploys or {}).get(variant))
         out += [{k: v for k, v in r.items() if k != "measured"} for r in rows if r["measured"]]
     return out

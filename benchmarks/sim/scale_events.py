@@ -22,12 +22,12 @@ steady state before it.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from routing.directory import AdapterDirectory
-from routing.plan import planned_on
+from routing.plan import PlacementPlan, planned_on
 from routing.warm_start import AdapterPlacement, WarmStartPlan, rehome_targets, standby_names, warm_start_plan
 
 from .fleet import SimReplica, Simulator
@@ -165,6 +165,34 @@ def warm_start_at_deploy(sim: Simulator, order: Optional[Sequence[int]] = None) 
         for replica in up:
             stage_standby(replica, rids, sim.feed.registered, sim.config.host_standby_share)
     return plans
+
+
+def deployed_as_recorded(sim: Simulator, pools: Mapping[str, Mapping[str, Sequence[str]]], plan: Mapping) -> None:
+    """The fleet as a live deploy left it, before any traffic: each replica's slots and host tier (``pools``:
+    replica id -> ``{"slots", "host"}`` adapter names) and the directory's placement plan (``PlacementPlan.to_dict``),
+    as ``fleet_live`` records them when its warm-up segment begins. Instead of ``warm_start_at_deploy``'s model of
+    the deploy, whose outcome depends on the order the replicas came up in, which only the live run knows.
+    The replicas' ids must be the live run's. The reads and copies are timed as a warm start's (the live workers
+    made them too, and report their times)."""
+    by_id = {sim.replicas[i].rid: sim.replicas[i] for i in sim.routable}
+    unknown = sorted(set(pools) - set(by_id))
+    if unknown:
+        raise ValueError(f"recorded pools name replicas the simulated fleet does not have: {unknown[:3]}")
+    d = sim.directory
+    recorded = PlacementPlan.from_dict(plan)
+    if not recorded.slotted:  # a plan recorded without its slot budgets: what each replica held in its slots
+        recorded = replace(recorded, slotted={rid: tuple(sorted(p["slots"])) for rid, p in pools.items()})
+    d.planner.resume(recorded)
+    for rid, replica in by_id.items():
+        contents = pools.get(rid, {"slots": (), "host": ()})
+        for uid in contents["host"]:
+            replica.warm(uid, into_slot=False)
+        for uid in contents["slots"]:
+            replica.warm(uid, into_slot=True)
+        replica.planned = set(planned_on(recorded, rid))
+        replica.pool.keep(list(recorded.slotted.get(rid, ())))
+        d.apply_snapshot(replica.pool.snapshot(), **replica.heartbeat())
+    sim.followed_plan(recorded.version)
 
 
 def stage_standby(replica: SimReplica, replica_ids: Sequence[str], registered: Sequence[str], share: float) -> int:
