@@ -17,6 +17,7 @@ from ray import serve
 
 from engine.errors import InvalidRequestError
 from engine.request import GenerateRequest, GenerateResult
+from routing.directory_feed import stop_feeds
 
 from .admission import RequestLimiter
 from .front_door import FrontDoor
@@ -60,6 +61,16 @@ class LoRAFleetIngress:
 
         await asyncio.gather(*(register(spec) for spec in self.args.startup_adapters()
                                if spec.name not in self.registry.entries))
+
+    def __del__(self):
+        """Serve's graceful stop, after the drain: withdraw this process's long polls on the directory (the
+        registry's and the worker handles' routers'). The directory counts each as an ongoing request; left
+        out, a deleted app's directory waited them out (up to their 5 s timeout) after this process was gone."""
+        if hasattr(self, "_follow"):
+            self._follow.cancel()
+        if hasattr(self, "registry"):
+            self.registry.withdraw()
+        stop_feeds()
 
     def __serve_build_asgi_app__(self):
         return build_http_app(self)

@@ -60,6 +60,7 @@ class RegistryFollower:
         self.replicas: list[str] = []
         self.version = -1
         self.lookups = 0  # entries a request looked up here (``entry``, ``entry_of_uid``); tests count them
+        self._poll = None  # the long poll in flight (a DeploymentResponse), for ``withdraw``
 
     def entry(self, name: str) -> Optional[RegistryEntry]:
         """A request's entry by name (a caller that reached a worker directly, with no uid); counted."""
@@ -103,13 +104,25 @@ class RegistryFollower:
         if self.on_change is not None:
             await self.on_change(old, self.entries)
 
+    def withdraw(self) -> None:
+        """Cancel the long poll in flight; the owner cancels ``run``'s task too, on its graceful stop. The
+        directory counts the poll as an ongoing request and Serve stops it only once none is left: cancelling
+        the task alone leaves the call running there for up to ``poll_timeout_s``, keeping a deleted app's
+        directory draining for a caller that is gone."""
+        poll, self._poll = self._poll, None
+        if poll is not None:
+            poll.cancel()
+
     async def run(self) -> None:
         import asyncio
         import logging
 
         while True:
             try:
-                await self.apply(await self.directory.get_registry.remote(self.version, self.poll_timeout_s))
+                self._poll = self.directory.get_registry.remote(self.version, self.poll_timeout_s)
+                reply = await self._poll
+                self._poll = None
+                await self.apply(reply)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # the directory restarts: poll from scratch once it is back

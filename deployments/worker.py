@@ -200,6 +200,8 @@ class LoRAWorker:
     def __del__(self):
         for task in getattr(self, "_tasks", []):
             task.cancel()
+        if hasattr(self, "registry"):
+            self.registry.withdraw()  # the directory stops only once our long poll is gone
         if getattr(self, "directory", None) is not None and not getattr(self, "_left", True):
             self._left = True  # Serve calls this on a graceful stop: say goodbye so pins move at once
             try:

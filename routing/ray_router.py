@@ -44,7 +44,7 @@ from typing import List, Optional
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from .directory_feed import DirectoryFeed
+from .directory_feed import DirectoryFeed, FeedClosed
 from .request_fields import request_adapter, request_prompt_tokens
 from .policy import choose_replicas
 from .router_metrics import RouterMetrics
@@ -269,14 +269,17 @@ class AdapterAffinityRouter(RequestRouter):
 
     def _ensure_polling(self) -> None:
         if self.feed is None:
-            self.feed = DirectoryFeed(self.settings, self.view, self.metrics, self._get_changes)
+            self.feed = DirectoryFeed(self.settings, self.view, self.metrics, self._send_poll)
         self.feed.ensure_running(asyncio.get_running_loop())
 
-    def _get_changes(self, since_version: int, timeout_s: float, plan_version: int) -> dict:
-        """The directory's changes since ``since_version`` (a long poll of up to ``timeout_s``), on the feed's thread."""
+    def _send_poll(self, since_version: int, timeout_s: float, plan_version: int):
+        """The directory's changes since ``since_version`` (a long poll of up to ``timeout_s``) in flight, sent from
+        the feed's thread: a ``DeploymentResponse``, which the feed waits on and can withdraw."""
+        import ray
         from ray import serve
 
+        if not ray.is_initialized():  # a call now would reach a core worker that is gone, which ends the process
+            raise FeedClosed("ray.shutdown() was called in this process")
         if self._directory_handle is None:
             self._directory_handle = serve.get_deployment_handle(self.directory_deployment, app_name=self.app_name)
-        return self._directory_handle.get_changes.remote(since_version, timeout_s, plan_version).result(
-            timeout_s=timeout_s + 10)
+        return self._directory_handle.get_changes.remote(since_version, timeout_s, plan_version)

@@ -7,9 +7,11 @@ Every test is marked ``ray`` (it uses the ``ray_cluster`` fixture, directly or t
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Iterator
 
@@ -130,6 +132,18 @@ def fleet(ray_cluster, demo_assets):
     deploy their own app (``deploy_fleet`` under another name).
     """
     return deploy_fleet(demo_assets, FLEET_APP, "/")
+
+
+@pytest.fixture
+def background_loop() -> Iterator[asyncio.AbstractEventLoop]:
+    """An asyncio loop running on a thread of its own (what a router's or a replica's loop is to the code on it)."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="test-background-loop", daemon=True)
+    thread.start()
+    yield loop
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(30)
+    loop.close()
 
 
 @pytest.fixture(autouse=True, scope="module")
