@@ -2,7 +2,8 @@
 
 Placement is a fleet decision (``routing.plan``: how many replicas hold each adapter and
 which, made by the directory with hysteresis and published to every router). A request is
-routed within its adapter's planned set; an adapter not in the plan yet is planned where it
+routed within its adapter's planned set and the replicas that hold it resident (the plan says where a load
+goes; a holder needs none); an adapter not in the plan yet is planned where it
 is resident, else on its rendezvous-first replica (a rollout's new version: where the adapter it
 versions is planned). Within the set it goes to the replica with
 the lowest expected completion time (ECT, seconds; the request's own run time left out):
@@ -110,6 +111,11 @@ def choose_replicas(adapter: Optional[str], view: FleetView, loads: Sequence[flo
         planned = view.planned.get(family_of(adapter))
     if not planned:  # not in the plan yet: where it is resident, else its rendezvous-first replica
         planned = tuple(sorted(ctx.holders)) or tuple(view.order(adapter, 1))
+    elif ctx.holders and not set(ctx.holders) & set(planned):
+        # the plan says where a load should go; a replica that holds the adapter needs none, so it is a candidate
+        # like the planned ones (a copy a spill left there served nothing before: its adapter's next request went
+        # to a planned replica, loaded there, and the fleet held two copies for one stream)
+        planned = tuple(sorted(set(planned) | set(ctx.holders)))
     ranked = ctx.rank(planned)
     best = ranked[0]
     t_best = ctx.request_time(best)
@@ -142,6 +148,6 @@ def _kind(adapter: Optional[str], holders: Collection[int], planned: Collection[
     if adapter is None:
         return "base"
     if chosen in holders:
-        return "affinity" if chosen in planned else "spill"
+        return "affinity"
     return "placement" if chosen in planned else "spill"
 

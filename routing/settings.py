@@ -69,7 +69,7 @@ class RoutingSettings:
     demand_horizon: float = _setting(4.0, "request times", POLICY,
                                      "an eviction victim asked for within this is counted as in use (its reload "
                                      "is part of a load's cost)")
-    spill_margin: float = _setting(2.0, "row waits", POLICY,
+    spill_margin: float = _setting(1.5, "row waits", POLICY,
                                    "a planned replica's wait (for a row, or for the prompts queued ahead of it to "
                                    "prefill) must exceed the same wait plus a load's whole cost elsewhere by this "
                                    "before a request leaves its adapter's planned replicas")

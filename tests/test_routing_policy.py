@@ -5,7 +5,7 @@ import pytest
 
 from routing.hashing import rendezvous_order, rendezvous_scores, stable_hash
 from routing.policy import FleetView, choose_replicas
-from routing.settings import RoutingSettings
+from routing.settings import DEFAULT_SETTINGS, RoutingSettings
 
 IDS = tuple(f"replica-{i}" for i in range(8))
 CAPS = [8.0] * 8
@@ -56,11 +56,21 @@ def test_a_cold_adapter_goes_to_its_rendezvous_replica():
     assert choose_replicas("cold", view(), busy, caps=CAPS).tiers == [[order_of("cold")[0]]]
 
 
-def test_the_plan_wins_over_a_copy_outside_it():
-    """A planned replica that must load the adapter takes it rather than a replica outside the plan
-    that happens to hold a copy: copies outside the plan are what thrashing leaves behind."""
+def test_a_copy_outside_the_plan_serves_when_no_planned_replica_holds_the_adapter():
+    """The plan says where a load goes; a replica that holds the adapter needs none. Sent to the planned
+    replica, the request would load a second copy there for one stream of traffic."""
     decision = choose_replicas("a", planned_view({"a": {3}}, {"a": {6}}), np.zeros(8), caps=CAPS)
-    assert decision.kind == "placement" and decision.tiers == [[3]]
+    assert decision.kind == "affinity" and decision.tiers == [[6]]
+
+
+def test_the_plan_wins_over_a_copy_outside_it_once_a_planned_replica_holds_the_adapter():
+    """With a planned holder resident, the copy outside the plan gets no traffic, so its slot's LRU frees it:
+    copies outside the plan are what a spill leaves behind."""
+    decision = choose_replicas("a", planned_view({"a": {3}}, {"a": {3, 6}}), np.zeros(8), caps=CAPS)
+    assert decision.kind == "affinity" and decision.tiers == [[3]]
+    loads = np.zeros(8)
+    loads[3] = 4  # the planned holder busier than the copy: still within the plan (it has rows)
+    assert choose_replicas("a", planned_view({"a": {3}}, {"a": {3, 6}}), loads, caps=CAPS).tiers == [[3]]
 
 
 def test_a_full_planned_replica_does_not_spill_for_a_blip():
@@ -98,14 +108,16 @@ def test_no_spill_takes_a_row_owed_to_the_targets_own_adapters():
 
 def test_a_free_row_behind_a_long_prefill_queue_loses_to_an_idle_replica_elsewhere():
     """The planned replica has a row, but 2 s of prompts queued ahead of it (a 0.2 s request, 8 rows: the margin
-    is 2 x 0.025 s): an idle replica outside the plan, where a load costs 2 ms, takes it. A queue within the
-    margin, or a load dearer than the wait saved, keeps it on the plan; so does a replica the plan keeps busy."""
+    is ``spill_margin`` x 0.025 s): an idle replica outside the plan, where a load costs 2 ms, takes it. A queue within
+    the margin, or a load dearer than the wait saved, keeps it on the plan; so does a replica the plan keeps busy."""
     ids = IDS[:3]
     v = planned_view({"a": {0}}, {"a": {0}}, ids=ids, host_s=0.002, disk_s=0.002)
     kw = dict(caps=[8, 8, 8], request_s=[0.2] * 3)
     moved = choose_replicas("a", v, [1, 2, 0], **kw, prefill_wait=[2.0, 0.5, 0.0])
     assert moved.kind == "prefill_spill" and moved.tiers == [[2]]
-    assert choose_replicas("a", v, [1, 2, 0], **kw, prefill_wait=[0.04, 0.0, 0.0]).tiers == [[0]]
+    margin_s = DEFAULT_SETTINGS.spill_margin * 0.2 / 8
+    assert choose_replicas("a", v, [1, 2, 0], **kw, prefill_wait=[0.9 * margin_s, 0.0, 0.0]).tiers == [[0]]
+    assert choose_replicas("a", v, [1, 2, 0], **kw, prefill_wait=[1.1 * margin_s + 0.002, 0.0, 0.0]).tiers == [[2]]
     dear = planned_view({"a": {0}}, {"a": {0}}, ids=ids, host_s=3.0, disk_s=3.0)
     assert choose_replicas("a", dear, [1, 2, 0], **kw, prefill_wait=[2.0, 0.5, 0.0]).tiers == [[0]]
     v.busy = frozenset({2})
