@@ -115,7 +115,7 @@ def choose_replicas(adapter: Optional[str], view: FleetView, loads: Sequence[flo
         # the plan says where a load should go; a replica that holds the adapter needs none, so it is a candidate
         # like the planned ones (a copy a spill left there served nothing before: its adapter's next request went
         # to a planned replica, loaded there, and the fleet held two copies for one stream)
-        planned = tuple(sorted(set(planned) | set(ctx.holders)))
+        planned = tuple(sorted(set(planned) | set(_spare_copies(view, ctx.holders))))
     ranked = ctx.rank(planned)
     best = ranked[0]
     t_best = ctx.request_time(best)
@@ -142,6 +142,16 @@ def _route_base(ctx: Scoring, candidates) -> RoutingDecision:
         if ctx.has_row(i):
             return RoutingDecision([[i]], "base", best=scored[0][2], ect=ctx.ect)
     return RoutingDecision([], "wait", wait=True, best=scored[0][2], ect=ctx.ect)
+
+
+def _spare_copies(view: FleetView, holders: Collection[int]) -> list[int]:
+    """The holders whose copy sits in a slot the plan gives no adapter there: a copy in a planned adapter's slot
+    keeps that adapter out, which then loads and evicts it (on the demo's fully planned 2 x 3 slots, serving such
+    copies moved the loads the plan had made at warm-up into the traffic after it)."""
+    kept = view.slotted_on if view.slotted_on is not None else view.planned_on
+    if kept is None or view.slots is None:
+        return list(holders)
+    return [j for j in holders if not view.slots[j] or len(kept[j]) < view.slots[j]]
 
 
 def _kind(adapter: Optional[str], holders: Collection[int], planned: Collection[int], chosen: int) -> str:

@@ -63,6 +63,17 @@ def test_a_copy_outside_the_plan_serves_when_no_planned_replica_holds_the_adapte
     assert decision.kind == "affinity" and decision.tiers == [[6]]
 
 
+def test_a_copy_in_a_slot_the_plan_gives_another_adapter_does_not_serve():
+    """Replica 6's four slots are all planned for other adapters: its copy of ``a`` keeps one of them out, so the
+    request goes to the plan (a load there) and the copy ages out, instead of keeping it alive."""
+    planned = {"a": {3}, **{f"p{k}": {6} for k in range(4)}}
+    full = planned_view(planned, {"a": {6}})
+    assert choose_replicas("a", full, np.zeros(8), caps=CAPS).tiers == [[3]]
+    planned.pop("p3")  # a slot of 6 the plan gives no one: the copy there serves
+    spare = planned_view(planned, {"a": {6}})
+    assert choose_replicas("a", spare, np.zeros(8), caps=CAPS).tiers == [[6]]
+
+
 def test_the_plan_wins_over_a_copy_outside_it_once_a_planned_replica_holds_the_adapter():
     """With a planned holder resident, the copy outside the plan gets no traffic, so its slot's LRU frees it:
     copies outside the plan are what a spill leaves behind."""
