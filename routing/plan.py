@@ -108,6 +108,7 @@ class FleetPlanner:
         self._low_since: dict[str, float] = {}  # adapter -> since when its need is below forget_below
         self._over_since: dict[str, float] = {}  # replica -> since when its planned load is above the bound
         self._replica_ids: set[str] = set()
+        self._joined_at: Optional[float] = None  # when a replica last joined (its overload sheds sooner)
 
     def resume(self, plan: PlacementPlan) -> None:
         """Carry on from ``plan`` as if this planner had made it with no demand measured yet: each adapter keeps
@@ -117,6 +118,7 @@ class FleetPlanner:
         self.plan = plan
         self._count = {a: len(holders) for a, holders in plan.holders.items() if holders}
         self._since, self._low_since, self._over_since = {}, {}, {}
+        self._joined_at = None
         self._replica_ids = {r for holders in plan.holders.values() for r in holders} | set(plan.slotted)
 
     def update(self, now: float, demand: Mapping[str, float], replicas: Sequence[ReplicaSlots],
@@ -147,6 +149,8 @@ class FleetPlanner:
         counts = self._counts(now, need, len(replicas), pinned_on)
         ids = {r.replica_id for r in replicas}
         joined = bool(self._replica_ids) and not ids <= self._replica_ids
+        if joined:
+            self._joined_at = now
         self._replica_ids = ids
         # a join moves at once only placements nothing has asked for yet (the registered ones placed
         # before it; at start-up every placement): moving those in use at once tripled p99 TTFT after
@@ -237,8 +241,10 @@ class FleetPlanner:
         # overloaded by turns: offline, Zipf demand over 16 replicas moved ~4 placements a second)
         mean = sum(worth.get(a, 0.0) for a in counts) / n
         overloaded = mean + max(cfg.overload_share * mean, cfg.overload_floor)
+        after_join = self._joined_at is not None and now - self._joined_at < cfg.overload_after_s
+        shed_after = min(cfg.join_shed_after_s, cfg.overload_after_s) if after_join else cfg.overload_after_s
         shedding = {i for i, r in enumerate(replicas)
-                    if rebalance_now or now - self._over_since.get(r.replica_id, now) >= cfg.overload_after_s}
+                    if rebalance_now or now - self._over_since.get(r.replica_id, now) >= shed_after}
         order = sorted((a for a in counts if a not in pinned_on or counts[a] > len(pinned_on[a])),
                        key=lambda a: (-need.get(a, 0.0), a))
         share = {a: need.get(a, 0.0) / counts[a] for a in order}

@@ -96,6 +96,20 @@ def test_a_demand_shift_within_the_tolerance_moves_no_placement_and_a_lasting_ov
     assert max(per_replica(moved).values()) <= 3
 
 
+def test_after_a_join_overloaded_replicas_hand_placements_in_use_to_it_after_the_join_delay():
+    """Traffic grew, a third replica joined: the two old ones (1.5 replicas of load each, the new mean 1.0) hand
+    over placements in use after ``join_shed_after_s``, not ``overload_after_s``; none moves at the join."""
+    demand = {a: 4.0 for a in DEMO}  # 0.5 replicas each: 1.5 per old replica
+    for shed_after, moved_by in ((10.0, 111.0), (30.0, None)):
+        planner = FleetPlanner(RoutingSettings(overload_share=0.2, join_shed_after_s=shed_after))
+        first = planner.update(0.0, demand, replicas(n=2, slots=4))
+        three = replicas(n=3, slots=4)
+        assert planner.update(100.0, demand, three).holders == first.holders
+        assert planner.update(109.0, demand, three).holders == first.holders
+        later = planner.update(111.0, demand, three)
+        assert (per_replica(later)["r2"] > 0) == (moved_by is not None)
+
+
 def test_copies_that_do_not_fit_keep_a_spare_slot_per_replica():
     """Twelve adapters on 2 x 4 slots: the plan places 2 x 3 and keeps one slot per replica for the rest."""
     demand = {f"a{i:02d}": 1.0 / (i + 1) for i in range(12)}
