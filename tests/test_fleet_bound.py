@@ -12,7 +12,8 @@ from test_benchmarks_pool import brute_force_min_misses
 
 from benchmarks.sim import ROUTERS, SimConfig, run_sim
 from benchmarks.sim.fleet import Simulator
-from benchmarks.sim.fleet_bound import FleetBound, fleet_bound, warm_min
+from benchmarks.policies import replay_online
+from benchmarks.sim.fleet_bound import FleetBound, fleet_bound, global_lru_misses, warm_min
 from benchmarks.traces import Popularity, make_trace
 
 
@@ -83,3 +84,16 @@ def test_bad_input_is_refused() -> None:
     with pytest.raises(ValueError, match="first_measured"):
         fleet_bound(np.array([1, 2]), 1, 4, first_measured=3)
     assert fleet_bound(np.array([], dtype=np.int64), 2, 2) == FleetBound(4, 0, 0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 7), max_size=60), st.integers(1, 4), st.integers(0, 20))
+def test_the_global_lru_reference_is_the_pools_lru_over_every_slot_and_never_below_the_bound(seq, slots, first) -> None:
+    """``global_lru``: the pool's own LRU policy (``benchmarks.policies.replay_online``) on one cache of every slot,
+    counted over the measured requests; no online policy loads less than MIN."""
+    ids = np.array(seq, dtype=np.int64)
+    first = min(first, len(seq))
+    bound = fleet_bound(ids, 1, slots, first)
+    assert global_lru_misses(ids, slots) == replay_online(seq, slots, "lru")
+    assert bound.global_lru == replay_online(seq, slots, "lru") - replay_online(seq[:first], slots, "lru")
+    assert bound.global_lru >= bound.measured

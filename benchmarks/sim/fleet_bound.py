@@ -26,6 +26,7 @@ happens on realistic traces (``tests/test_fleet_bound.py``).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,6 +39,9 @@ class FleetBound:
     fleet_slots: int
     total: int      # MIN over the whole trace, empty at the start
     measured: int   # MIN over the measured requests, best contents at the start for free
+    # one LRU cache of every slot, no routing constraint, over the whole trace; its misses among the measured requests:
+    # what the fleet's LRU pools would pay if routing were perfect (MIN sees the future, which no online policy does)
+    global_lru: int = 0
 
 
 def warm_min(adapters: np.ndarray, slots: int) -> int:
@@ -57,7 +61,22 @@ def fleet_bound(adapters: np.ndarray, replicas: int, slots: int, first_measured:
         raise ValueError(f"first_measured must be within the trace (0..{adapters.size}), got {first_measured}")
     k = replicas * slots
     total = belady_misses(adapters, k) if adapters.size else 0
-    return FleetBound(k, total, warm_min(adapters[first_measured:], k))
+    return FleetBound(k, total, warm_min(adapters[first_measured:], k), global_lru_misses(adapters, k, first_measured))
+
+
+def global_lru_misses(adapters: np.ndarray, slots: int, first_measured: int = 0) -> int:
+    """Misses among ``adapters[first_measured:]`` of one LRU cache of ``slots`` entries run over the whole sequence."""
+    cache: OrderedDict = OrderedDict()
+    misses = 0
+    for k, a in enumerate(np.asarray(adapters).tolist()):
+        if a in cache:
+            cache.move_to_end(a)
+            continue
+        misses += k >= first_measured
+        cache[a] = None
+        if len(cache) > slots:
+            cache.popitem(last=False)
+    return misses
 
 
 def bound_rows(rows: list[dict], routers: tuple[str, ...]) -> list[dict]:
@@ -70,7 +89,8 @@ def bound_rows(rows: list[dict], routers: tuple[str, ...]) -> list[dict]:
         entry = out.setdefault(key, {"experiment": r["experiment"], "replicas": r["replicas"],
                                      "adapters": r["adapters"], "alpha": r["alpha"], "load": r["load"],
                                      "cv": r["cv"], "fleet_slots": r["fleet_slots"], "bound": r["bound"],
-                                     "bound_total": r["bound_total"]})
+                                     "bound_total": r["bound_total"],
+                                     "global_lru": r.get("global_lru", 0) / max(1, r["bound"])})
         if r["router"] in routers:
             entry[r["router"]] = r["loads"] / max(1, r["bound"])
             entry[f"{r['router']}_total"] = r["loads_total"] / max(1, r["bound_total"])
