@@ -36,6 +36,7 @@ import httpx
 import numpy
 
 from benchmarks import common
+from deployments.edge_guard import PROXY_CALLBACK_ENV
 from testkit.local_s3 import LocalS3Server, s3_client, upload_folder
 from testkit.ports import HOST, REUSE_PORT_ENV, reserve_port
 from testkit.serve_cluster import start_serve
@@ -132,7 +133,7 @@ def start_local_serve(cpus: int) -> tuple[socket.socket, str]:
     """A fresh local Ray cluster with Serve's proxy on a free port (held until the caller closes it)."""
     import ray
 
-    os.environ.update({"LORAFLEET_ADMIN_TOKEN": ADMIN_TOKEN, **REUSE_PORT_ENV})
+    os.environ.update({"LORAFLEET_ADMIN_TOKEN": ADMIN_TOKEN, **REUSE_PORT_ENV, **PROXY_CALLBACK_ENV})
     port = reserve_port()
     ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
     start_serve(port.getsockname()[1])

@@ -77,11 +77,16 @@ class AdapterGate:
         self._families_len = 0
         self.lookups = 0   # names looked up in the registry copy (one per request; tests count them)
         self.early_refusals = 0   # requests refusal_now answered (the model guard's; tests and benchmarks read it)
+        self.guard_asked = 0   # requests refusal_now was asked about: one the proxy's edge guard answered never is
 
     def family(self, name: str) -> list:
         """The registry entries serving ``name`` (its versions): the one name look-up of a request."""
         self.lookups += 1
         return self._current_families().get(name, [])
+
+    def known_names(self) -> dict[str, list]:
+        """The registry copy's requested names (keys; their families as values), read without counting a lookup."""
+        return self._current_families()
 
     def _current_families(self) -> dict[str, list]:
         entries = self.admin.registry.entries
@@ -93,6 +98,7 @@ class AdapterGate:
 
     def refusal_now(self, name: object) -> Optional[BaseException]:
         refusal = self._refusal_now(name)
+        self.guard_asked += 1
         self.early_refusals += refusal is not None
         return refusal
 

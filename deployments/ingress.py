@@ -128,7 +128,7 @@ class LoRAFleetIngress:
                 "quota_holder": self.gate.quotas.holder, "quota_inflight": dict(self.gate.quotas.inflight),
                 "quota_round_trips": self.gate.quotas.state.round_trips, "quota_local": self.gate.quotas.state.local,
                 "repicks": self.front.repicks, "registry_lookups": self.gate.lookups,
-                "early_refusals": self.gate.early_refusals,
+                "early_refusals": self.gate.early_refusals, "guard_asked": self.gate.guard_asked,
                 "resolver_lookups": resolver.lookups if resolver else 0,
                 "resolver_refused": resolver.limiter.refused if resolver and resolver.limiter else 0,
                 "resolver_misses_held": len(resolver.misses) if resolver else 0}

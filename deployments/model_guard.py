@@ -24,42 +24,28 @@ first invalid field (400): either answer is true of it.
 
 from __future__ import annotations
 
-import json
-from typing import Any, Awaitable, Callable, Optional
+from typing import Any, Callable, Optional
 
 from fastapi import Request
 from fastapi.routing import APIRoute
 
+from .asgi_body import (GUARDED_PATHS, MAX_GUARDED_BODY, UNPARSED, declared_length, model_of, parse_json,
+                        read_body, replay, route_path)
+from .edge_hints import hinting, marked
 from .http_errors import error_response
-
-GUARDED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
-MAX_GUARDED_BODY = 64 << 10   # bytes: bogus-name requests are small; larger bodies go to the app unread
 
 PARSED_BODY = "lorafleet.parsed_body"   # scope key: the JSON the guard decoded from the body it hands on
 Refusal = Callable[[Optional[str]], Optional[BaseException]]
-
-
-def route_path(scope: dict) -> str:
-    """The path below the app's root path, as Starlette routes it: Serve passes the full path and its route
-    prefix as ``root_path``; a server that already stripped the prefix passes the path below it."""
-    path, root = scope.get("path", ""), scope.get("root_path", "")
-    if root and path.startswith(root) and path[len(root):len(root) + 1] in ("", "/"):
-        return path[len(root):]
-    return path
-
-
-def declared_length(scope: dict) -> Optional[int]:
-    for key, value in scope.get("headers") or ():
-        if key == b"content-length":
-            return int(value) if value.isdigit() else None
-    return None
+Hint = Callable[[str, int, float], Optional[bytes]]   # (model, status, waited s) -> the edge guard's hint
 
 
 class ModelGuard:
-    """``refusal(model)``: the error to answer with now, or None to let the app decide."""
+    """``refusal(model)``: the error to answer with now, or None to let the app decide.
+    ``hint(model, status, waited_s)``: what to tell the edge guard in Serve's proxy about a 404 or 429, on the
+    requests it marked (edge_hints.py)."""
 
-    def __init__(self, app, refusal: Refusal, max_body: int = MAX_GUARDED_BODY):
-        self.app, self.refusal, self.max_body = app, refusal, max_body
+    def __init__(self, app, refusal: Refusal, max_body: int = MAX_GUARDED_BODY, hint: Optional[Hint] = None):
+        self.app, self.refusal, self.max_body, self.hint = app, refusal, max_body, hint
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope.get("method") != "POST" or route_path(scope) not in GUARDED_PATHS:
@@ -68,44 +54,17 @@ class ModelGuard:
         if length is None or length > self.max_body:   # chunked or large: the app (and its body limit) read it
             return await self.app(scope, receive, send)
         messages, body = await read_body(receive)
-        parsed = parse_json(body) if body is not None else _UNPARSED
+        parsed = parse_json(body) if body is not None else UNPARSED
         model = model_of(parsed)
         error = self.refusal(model) if model is not None else None
+        if self.hint is not None and model is not None and marked(scope):
+            hint = self.hint
+            send = hinting(send, lambda status, waited_s: hint(model, status, waited_s))
         if error is not None:
             return await error_response(error)(scope, receive, send)
-        if parsed is not _UNPARSED:
+        if parsed is not UNPARSED:
             scope = {**scope, PARSED_BODY: parsed}   # a copy: the server's own scope is left as it was
         await self.app(scope, replay(messages, receive), send)
-
-
-async def read_body(receive) -> tuple[list[dict], Optional[bytes]]:
-    """The request's messages as received, and its body (None when the client left before sending it all)."""
-    messages: list[dict] = []
-    while True:
-        message = await receive()
-        messages.append(message)
-        if message["type"] != "http.request":
-            return messages, None
-        if not message.get("more_body", False):
-            break
-    return messages, b"".join(m.get("body", b"") for m in messages)
-
-
-_UNPARSED = object()   # no body, or one that is not JSON: FastAPI parses (and reports) it itself
-
-
-def parse_json(body: bytes) -> Any:
-    """``body`` decoded as FastAPI's ``request.json()`` would (``json.loads``), or ``_UNPARSED``."""
-    try:
-        return json.loads(body)
-    except ValueError:
-        return _UNPARSED
-
-
-def model_of(parsed: Any) -> Optional[str]:
-    """The parsed body's ``model`` when it is a string, else None (no JSON object, no string: the app says why)."""
-    model = parsed.get("model") if isinstance(parsed, dict) else None
-    return model if isinstance(model, str) else None
 
 
 class ParsedOnceRequest(Request):
@@ -127,13 +86,3 @@ class ParsedOnceRoute(APIRoute):
             return await handler(ParsedOnceRequest(request.scope, request.receive))
 
         return parsed_once
-
-
-def replay(messages: list[dict], receive) -> Callable[[], Awaitable[dict]]:
-    """A ``receive`` that gives the app the messages already read, then the client's own."""
-    pending = list(messages)
-
-    async def receive_again() -> dict:
-        return pending.pop(0) if pending else await receive()
-
-    return receive_again

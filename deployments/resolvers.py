@@ -81,6 +81,19 @@ class LookupLimiter:
         replicas, rank = self.placement()
         return self.running >= replica_share(self.max_concurrent, replicas, rank) or self._refill() < 1.0
 
+    def refusing_for_s(self) -> float:
+        """Seconds from now during which ``take`` will refuse unless a running lookup finds its adapter (0: none).
+
+        Only the rate can say so: the concurrency limit ends whenever a lookup does. A lookup that finds its
+        adapter gives its token back, but only after it registered the adapter, a registry write: the edge
+        guard in Serve's proxy, which answers for this replica that long, ends its window on any registry
+        change it sees (edge_guard.py)."""
+        tokens = self._refill()
+        if tokens >= 1.0:
+            return 0.0
+        replicas, _ = self.placement()
+        return (1.0 - tokens) * replicas / self.lookups_per_s
+
     @staticmethod
     def busy() -> HTTPError:
         return HTTPError(429, "adapter resolver lookups are at their limit; retry later",
@@ -143,6 +156,11 @@ class AdapterResolver:
             return None
         self.misses.move_to_end(name)
         return fresh(cls, message)
+
+    def miss_remaining_s(self, name: str) -> float:
+        """Seconds the negative cache still holds ``name`` (0: not held); read without touching its LRU order."""
+        miss = self.misses.get(name)
+        return max(0.0, miss[0] - self.clock()) if miss is not None else 0.0
 
     def looking_up(self, name: str) -> bool:
         return name in self._attempts

@@ -17,6 +17,7 @@ from typing import Iterator
 
 import pytest
 
+from deployments.edge_guard import PROXY_CALLBACK_ENV
 from testkit.ports import HOST, REUSE_PORT_ENV, reserve_port
 from testkit.serve_cluster import start_serve
 
@@ -82,6 +83,7 @@ def ray_cluster(demo_root, http_port):
 
     os.environ["LORAFLEET_ADMIN_TOKEN"] = ADMIN_TOKEN
     os.environ.update(REUSE_PORT_ENV)  # the proxy shares http_port's reservation
+    os.environ.update(PROXY_CALLBACK_ENV)  # the edge guard in Serve's proxy, as deployed (deployments/edge_guard.py)
     # no metrics port given: Ray's agent binds a free one and publishes it in the node table
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
              _system_config={"metrics_report_interval_ms": 1000})

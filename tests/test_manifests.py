@@ -27,6 +27,7 @@ import yaml
 from metric_names import RAY_PREFIX, defined_metrics, of_kind, prometheus_series
 
 from deployments.derived_options import DERIVED_FROM
+from deployments.edge_guard import PROXY_CALLBACK_ENV
 from pool.sources.hub import is_hub_repo_id
 
 REPO = Path(__file__).resolve().parents[1]
@@ -151,6 +152,8 @@ def test_rayservice_gpu_layout_ports_prestop_and_secrets():
         for name, secret in (("HF_TOKEN", "lorafleet-hf-token"), ("LORAFLEET_ADMIN_TOKEN", "lorafleet-admin-token")):
             assert "value" not in env[name], f"{name} must come from a Secret, not a literal"
             assert env[name]["valueFrom"]["secretKeyRef"]["name"] == secret
+        for name, value in PROXY_CALLBACK_ENV.items():   # every node's Serve proxy runs the edge guard
+            assert env[name]["value"] == value
     assert {p["name"]: p["containerPort"] for p in head["template"]["spec"]["containers"][0]["ports"]}["serve"] == 8000
     gpu_slots = 0
     for group in workers:

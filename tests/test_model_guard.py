@@ -17,7 +17,8 @@ import pytest
 from pydantic import BaseModel
 
 from deployments.adapter_gate import AdapterGate
-from deployments.config import AdapterSpec, AppArgs
+from deployments.config import NAME_RE, AdapterSpec, AppArgs
+from deployments.edge_hints import EDGE_MARK, HINT_HEADER, refusal_hint
 from deployments.http_errors import error_response
 from deployments.model_guard import ModelGuard
 from deployments.quotas import AdapterQuotas, HandleCalls
@@ -27,6 +28,7 @@ from deployments.versions import VersionedFleetAdmin
 from pool.errors import AdapterNotFoundError
 
 PREFIX = "/fleet"
+MARKED = {EDGE_MARK.decode(): "1"}   # as the edge guard in Serve's proxy marks what it hands on
 
 
 class CompletionBody(BaseModel):
@@ -69,7 +71,10 @@ def fleet(tmp_path):
     resolver = AdapterResolver([str(tmp_path)], register, limiter=limiter)
     gate = AdapterGate(admin, AdapterQuotas(HandleCalls(None), metrics=False), resolver)
     app = RecordingApp()
-    guard = ModelGuard(app, lambda model: None if model in {"demo", "base", ""} else gate.refusal_now(model))
+    base_names = {"demo", "base", ""}
+    guard = ModelGuard(app, lambda model: None if model in base_names else gate.refusal_now(model),
+                       hint=lambda model, status, waited_s: refusal_hint(gate, NAME_RE, "test-app", base_names, model,
+                                                                         status, waited_s))
     return {"gate": gate, "admin": admin, "resolver": resolver, "limiter": limiter, "app": app, "guard": guard}
 
 
@@ -80,7 +85,8 @@ def post(fleet, model: object, path: str = f"{PREFIX}/v1/completions", **kw) -> 
         async with httpx.AsyncClient(transport=transport, base_url="http://ingress") as client:
             if "content" in kw:
                 return await client.post(path, **kw)
-            return await client.post(path, json={"model": model, "prompt": "hi", "max_tokens": 1})
+            return await client.post(path, json={"model": model, "prompt": "hi", "max_tokens": 1},
+                                     headers=kw.get("headers"))
 
     return asyncio.run(send())
 
@@ -134,6 +140,42 @@ def test_a_lookup_the_rate_would_refuse_gets_its_429_without_spending_a_token(fl
     assert (reply.status_code, reply.json()) == expected(limiter.busy())
     assert reply.headers["retry-after"] == "1" and limiter.refused == 1 and limiter.running == 0
     assert fleet["app"].bodies == []
+
+
+def test_a_marked_404_says_how_long_the_negative_cache_holds_the_name_and_an_unmarked_one_says_nothing(fleet):
+    with pytest.raises(AdapterNotFoundError):
+        asyncio.run(fleet["resolver"].resolve("bogus-4"))
+    held = fleet["resolver"].miss_remaining_s("bogus-4")
+    no_refresh_due(fleet["admin"])
+    plain, marked = post(fleet, "bogus-4"), post(fleet, "bogus-4", headers=MARKED)
+    assert plain.status_code == marked.status_code == 404 and plain.json() == marked.json()
+    assert HINT_HEADER.decode() not in plain.headers
+    hint = json.loads(marked.headers[HINT_HEADER.decode()])
+    assert hint["app"] == "test-app" and hint["known"] == ["", "base", "demo"]
+    assert 0 < hint["name_for_s"] <= held + 1.0
+    assert 0 < hint["unknown_for_s"] <= 1 / fleet["limiter"].lookups_per_s + 1.0   # its lookup took the rate's token
+    assert fleet["resolver"].misses["bogus-4"][0] > time.monotonic() + hint["name_for_s"] - 1.0
+
+
+def test_a_marked_429_of_the_lookup_rate_states_until_when_it_refuses_every_unknown_name(fleet):
+    limiter = fleet["limiter"]
+    limiter.take()
+    limiter.done()
+    no_refresh_due(fleet["admin"])
+    reply = post(fleet, "bogus-5", headers=MARKED)
+    assert reply.status_code == 429
+    hint = json.loads(reply.headers[HINT_HEADER.decode()])
+    assert 0 < hint["unknown_for_s"] <= 1 / limiter.lookups_per_s + 1.0 and (hint["rank"], hint["replicas"]) == (0, 1)
+    assert "name_for_s" not in hint   # a 429 says nothing of the name itself
+
+
+def test_known_names_and_names_the_ingress_holds_nothing_about_get_no_hint(fleet):
+    no_refresh_due(fleet["admin"])
+    for model in ("known", "demo", "never-seen"):
+        reply = post(fleet, model, headers=MARKED)
+        assert reply.status_code == 200 and HINT_HEADER.decode() not in reply.headers
+    assert refusal_hint(fleet["gate"], NAME_RE, "a", {"demo"}, "known", 404) is None   # a registered name's 404
+    assert refusal_hint(fleet["gate"], NAME_RE, "a", {"demo"}, "never-seen", 404) is None   # not cached, rate open
 
 
 def test_the_route_is_matched_below_the_route_prefix(fleet):
