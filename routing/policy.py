@@ -111,7 +111,7 @@ def choose_replicas(adapter: Optional[str], view: FleetView, loads: Sequence[flo
         planned = view.planned.get(family_of(adapter))
     if not planned:  # not in the plan yet: where it is resident, else its rendezvous-first replica
         planned = tuple(sorted(ctx.holders)) or tuple(view.order(adapter, 1))
-    elif ctx.holders and not set(ctx.holders) & set(planned):
+    elif ctx.holders and not any(h in planned for h in ctx.holders):  # (no sets built: every decision runs this)
         # the plan says where a load should go; a replica that holds the adapter needs none, so it is a candidate
         # like the planned ones (a copy a spill left there served nothing before: its adapter's next request went
         # to a planned replica, loaded there, and the fleet held two copies for one stream)
