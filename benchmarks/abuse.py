@@ -35,6 +35,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from benchmarks import common
+from benchmarks.machine_speed import SpeedProbe, span
 from benchmarks.proc_cpu import CpuMeter, pids_named
 from benchmarks.rollout import Traffic, percentile_ms, start_local_serve
 
@@ -51,11 +52,13 @@ def rss_mb(pid: int) -> float:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
-def ordinary_row(traffic: Traffic, phase: str) -> dict:
-    ok = [x.seconds for x in traffic.samples if x.phase == phase and x.status == 200]
-    return {"phase": phase, "ordinary": len(ok),
-            "ordinary_errors": sum(1 for x in traffic.samples if x.phase == phase and x.status != 200),
-            "p50_ms": percentile_ms(ok, 50), "p99_ms": percentile_ms(ok, 99)}
+def ordinary_row(traffic: Traffic, phase: str, probe: SpeedProbe) -> dict:
+    """The ordinary requests of a phase, and the machine's speed while they ran (benchmarks/machine_speed.py)."""
+    samples = [x for x in traffic.samples if x.phase == phase]
+    ok = [x.seconds for x in samples if x.status == 200]
+    return {"phase": phase, "ordinary": len(ok), "ordinary_errors": sum(1 for x in samples if x.status != 200),
+            "p50_ms": percentile_ms(ok, 50), "p99_ms": percentile_ms(ok, 99),
+            **probe.phase(*span([x.started for x in samples], [x.started + x.seconds for x in samples]))}
 
 
 def completion_request(host: str, name: str) -> bytes:
@@ -184,6 +187,7 @@ def main(argv=None) -> dict:
                        adapter_roots=[str(demo_dir), str(work / "resolve")],
                        adapter_resolvers=[str(work / "resolve")], adapter_resolver_lookups_per_s=LOOKUPS_PER_S)
     rows: list[dict] = []
+    probe = SpeedProbe()
     try:
         serve.run(build_fleet(app_args, {"num_replicas": 1, "ray_actor_options": {"num_cpus": 1}}),
                   name=APP, route_prefix="/")
@@ -195,6 +199,7 @@ def main(argv=None) -> dict:
         meter = CpuMeter({"proxy": pids_named("ProxyActor"), "ingress": [pid],
                           "workers": pids_named(f"ServeReplica:{APP}:LoRAWorker"), "benchmark": [os.getpid()]})
         traffic = Traffic(base, "support", args.clients, max_tokens=8)
+        probe.start()
         traffic.start()
         time.sleep(3.0)
         traffic.phase = "baseline"
@@ -220,14 +225,16 @@ def main(argv=None) -> dict:
         after_flood = rss_mb(pid)
         final = stats()
         traffic.stop()
+        probe.stop()
         lookups = final["resolver_lookups"] - lookups_before
     finally:
+        probe.close()
         serve.shutdown()
         ray.shutdown()
         port.close()
         shutil.rmtree(work, ignore_errors=True)
 
-    baseline_row, repeats_row, flood_row = (ordinary_row(traffic, p) for p in ("baseline", "repeats", "flood"))
+    baseline_row, repeats_row, flood_row = (ordinary_row(traffic, p, probe) for p in ("baseline", "repeats", "flood"))
     rows = [
         {**baseline_row, "bogus_sent": 0, "bogus_statuses": "-", "rss_before_mb": None, "rss_after_mb": None},
         {**repeats_row, "bogus_sent": args.repeats, "bogus_statuses": repeated["statuses"],
@@ -236,9 +243,11 @@ def main(argv=None) -> dict:
          "rss_before_mb": before_flood, "rss_after_mb": after_flood},
     ]
     print()
-    common.print_table(rows, ["phase", "ordinary", "ordinary_errors", "p50_ms", "p99_ms", "bogus_sent",
-                              "bogus_statuses", "rss_before_mb", "rss_after_mb"],
+    common.print_table(rows, ["phase", "ordinary", "ordinary_errors", "p50_ms", "p99_ms", "probe_us", "probe_slow_pct",
+                              "others_core_pct",
+                              "bogus_sent", "bogus_statuses", "rss_before_mb", "rss_after_mb"],
                        title="Bogus model names vs ordinary requests (one ingress replica)", floatfmt=".1f")
+    print(probe.legend())
     growth = after_flood - before_flood
     repeat_growth = after_repeats - before_repeats
     lookups_per_s = lookups / flooded["seconds"]

@@ -39,6 +39,36 @@ def descends_from(pid: int, root: int) -> bool:
     return False
 
 
+def machine_busy_seconds() -> float:
+    """CPU seconds all of this machine's cores spent busy so far, every process and the kernel's interrupts
+    (/proc/stat: user, nice, system, irq, softirq; not idle, I/O wait or steal)."""
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:8]]
+    user, nice, system, _idle, _iowait, irq, softirq = fields
+    return (user + nice + system + irq + softirq) / CLOCK_TICKS
+
+
+def tree_cpu_seconds(root: int) -> float:
+    """CPU seconds of ``root`` and every process descending from it, those that ended and were reaped included
+    (their time is in their parent's ``cutime``/``cstime``), so the sum does not drop when a child exits."""
+    stats: dict[int, list[str]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stats[int(entry.name)] = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+    parents = {pid: int(fields[1]) for pid, fields in stats.items()}
+    total = 0
+    for pid, fields in stats.items():
+        ancestor = pid
+        while ancestor not in (0, 1) and ancestor != root:
+            ancestor = parents.get(ancestor, 0)
+        if ancestor == root:
+            total += sum(int(v) for v in fields[11:15])   # utime, stime, cutime, cstime
+    return total / CLOCK_TICKS
+
+
 def pids_named(fragment: str, under: Optional[int] = None) -> list[int]:
     """Processes whose command line (Ray sets it to ``ray::<actor>``) contains ``fragment``, and that descend
     from ``under`` (default: this process, whose local Ray cluster they belong to; the machine may run others)."""

@@ -36,6 +36,7 @@ import httpx
 import numpy
 
 from benchmarks import common
+from benchmarks.machine_speed import SpeedProbe, span
 from deployments.edge_guard import PROXY_CALLBACK_ENV
 from testkit.local_s3 import LocalS3Server, s3_client, upload_folder
 from testkit.ports import HOST, REUSE_PORT_ENV, reserve_port
@@ -162,15 +163,20 @@ def percentile_ms(values: list[float], q: float) -> float:
     return float(numpy.percentile(values, q) * 1000) if values else float("nan")
 
 
-def phase_row(phase: str, samples: list[Sample]) -> dict:
+def phase_row(phase: str, samples: list[Sample], probe: Optional[SpeedProbe] = None) -> dict:
     """A phase's errors, versions and latency, and how its requests split over the workers (largest share
-    first): where the traffic went is what a p99 moves with on a machine whose workers share cores."""
+    first): where the traffic went is what a p99 moves with on a machine whose workers share cores. With a
+    ``probe``, also the machine's speed while the phase's requests ran (benchmarks/machine_speed.py): the
+    p99 moves with that too."""
     ok = [s.seconds for s in samples if s.status == 200]
     per_replica = sorted(Counter(s.replica for s in samples if s.replica).values(), reverse=True)
-    return {"phase": phase, "requests": len(samples), "errors": sum(s.status != 200 for s in samples),
-            "v1": sum(s.version == "v1" for s in samples), "v2": sum(s.version == "v2" for s in samples),
-            "by_worker": "/".join(map(str, per_replica)) or "-",
-            "p50_ms": percentile_ms(ok, 50), "p99_ms": percentile_ms(ok, 99)}
+    row = {"phase": phase, "requests": len(samples), "errors": sum(s.status != 200 for s in samples),
+           "v1": sum(s.version == "v1" for s in samples), "v2": sum(s.version == "v2" for s in samples),
+           "by_worker": "/".join(map(str, per_replica)) or "-",
+           "p50_ms": percentile_ms(ok, 50), "p99_ms": percentile_ms(ok, 99)}
+    if probe is not None:
+        row.update(probe.phase(*span([s.started for s in samples], [s.started + s.seconds for s in samples])))
+    return row
 
 
 def burst_flip(base: str, v2_source: str) -> list[Sample]:
@@ -251,6 +257,7 @@ def main(argv=None) -> dict:
                        version_retire_grace_s=0)   # v1 leaves the registry at once: queued requests must re-pick
     options = {"num_replicas": 2, "ray_actor_options": {"num_cpus": 1, "runtime_env": {"env_vars": s3.env()}}}
     rows: list[dict] = []
+    probe = SpeedProbe()
     try:
         deploy_started = time.perf_counter()
         serve.run(build_fleet(app_args, options), name=APP, route_prefix="/")
@@ -263,6 +270,7 @@ def main(argv=None) -> dict:
         # the p99 ratio compares the rollout with a steady state that paid the same
         poller = ResidencyPoller(directory, "support@v2@")
         poller.start()
+        probe.start()
         traffic.start()
         time.sleep(3.0)
         traffic.phase = "steady"
@@ -279,6 +287,7 @@ def main(argv=None) -> dict:
             traffic.phase = f"at {label}"
             time.sleep(step_s)
         traffic.stop()
+        probe.stop()
         poller.stop()
         burst = burst_flip(base, str(demo_dir / "demo-1"))
         front = serve.get_app_handle(APP).admission_stats.remote().result(timeout_s=30)
@@ -286,14 +295,16 @@ def main(argv=None) -> dict:
               f"{front['retries']} retried after a lost replica", flush=True)
         samples = traffic.samples
         for phase in ("steady", "add v2", "to 10%", "at 10%", "to 50%", "at 50%", "to 100%", "at 100%"):
-            rows.append(phase_row(phase, [s for s in samples if s.phase == phase]))
+            rows.append(phase_row(phase, [s for s in samples if s.phase == phase], probe))
         rollout = [s for s in samples if s.phase not in ("warmup", "steady")]
-        burst_row = {**phase_row("burst at flip", burst), "p50_ms": None, "p99_ms": None}
+        burst_row = {**phase_row("burst at flip", burst), "p50_ms": None, "p99_ms": None, "probe_us": None,
+                     "probe_slow_pct": None, "others_core_pct": None}
         steady = [s for s in samples if s.phase == "steady"]
         cold = [s for s in rollout if s.version == "v2" and s.started >= split_at["first"]
                 and poller.resident_at(s.started) is False]
         first_rows = first_request_rows(base, {"local disk": "from-disk", "local S3 server": "from-s3"})
     finally:
+        probe.close()
         admin_client().close()
         admin_client.cache_clear()
         s3.stop()
@@ -302,11 +313,13 @@ def main(argv=None) -> dict:
         port.close()
         shutil.rmtree(work, ignore_errors=True)
 
-    rollout_row = phase_row("rollout (all)", rollout)
+    rollout_row = phase_row("rollout (all)", rollout, probe)
     rows += [rollout_row, burst_row]
     print()
-    common.print_table(rows, ["phase", "requests", "errors", "v1", "v2", "by_worker", "p50_ms", "p99_ms"],
+    common.print_table(rows, ["phase", "requests", "errors", "v1", "v2", "by_worker", "p50_ms", "p99_ms", "probe_us",
+                              "probe_slow_pct", "others_core_pct"],
                        title="Rollout of support v1 -> v2 under steady traffic", floatfmt=".1f")
+    print(probe.legend())
     print()
     common.print_table(first_rows, ["source", "adapter", "first_ms", "second_ms", "status"],
                        title="First request for an unregistered adapter, found by adapter_resolvers", floatfmt=".1f")
