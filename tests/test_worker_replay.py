@@ -7,13 +7,23 @@ and a run whose workers were slower than the model must show up as requests outs
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
+from benchmarks import fleet_live
+from benchmarks.sim.costs import CostModel
 from benchmarks.sim.fleet_replay import replay_variant, segments_of
 from benchmarks.sim.worker_replay import replay_cell
 
-from tests.test_fleet_replay import tiny_settings
+
+def tiny_settings() -> dict:
+    """A fleet_live run's settings, as its JSON carries them, small enough to simulate in well under a second."""
+    args = fleet_live.make_parser().parse_args(["--replicas", "3", "--slots", "2", "--rows", "4", "--adapters", "16",
+                                                "--requests", "40", "--loads", "0.6", "--arrivals", "trace"])
+    segments = fleet_live.make_segments(args)
+    return json.loads(json.dumps(fleet_live._settings(args, segments, CostModel().scaled(args.time_scale))))
 
 
 def _warmup(settings: dict, variant: str) -> dict:
