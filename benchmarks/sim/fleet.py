@@ -25,7 +25,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
 
@@ -90,10 +90,12 @@ def replica_ids(n: int, seed: Optional[int] = None) -> tuple[str, ...]:
 
 
 class Simulator(EventLoop):
+    routers: Mapping[str, type] = ROUTERS  # what ``config.router`` may name (a replay of recorded placements adds its own)
+
     def __init__(self, trace: Trace, config: SimConfig):
         super().__init__()
-        if config.router not in ROUTERS:
-            raise ValueError(f"unknown router {config.router!r}; choose one of {sorted(ROUTERS)}")
+        if config.router not in self.routers:
+            raise ValueError(f"unknown router {config.router!r}; choose one of {sorted(self.routers)}")
         self.trace, self.config = trace, config
         self.ids = (tuple(sorted(config.replica_ids)) if config.replica_ids is not None  # sorted, as Serve's router
                     else replica_ids(config.replicas, config.replica_id_seed))
@@ -101,7 +103,7 @@ class Simulator(EventLoop):
             raise ValueError(f"{len(self.ids)} replica ids for {config.replicas} replicas")
         self.max_ongoing = config.max_batch
         self.ongoing = np.zeros(config.replicas, dtype=np.float64)
-        self.router = ROUTERS[config.router](self)
+        self.router = self.routers[config.router](self)
         # adapter i's name: the plan breaks ties by name, so a replay of a live run names them as it did
         self.uid_of: Callable[[int], str] = adapter_uid if config.adapter_names is None else config.adapter_names.format
         self.ranks = {self.uid_of(a): int(r) for a, r in enumerate(trace.ranks.tolist())}

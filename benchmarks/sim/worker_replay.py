@@ -27,7 +27,7 @@ import numpy as np
 from routing.plan import PlacementPlan
 
 from ..fleet_live import Segment, adapter_name, adapter_ranks, segment_trace
-from .config import SimConfig, SimRequest
+from .config import SimConfig
 from .fleet import Simulator
 from .fleet_agreement import agreement_with_live
 from .fleet_replay import ADAPTER_NAMES, HostCosts, _args, costs_of, live_host_costs, read_threads, segments_of
@@ -39,14 +39,13 @@ SMALL_S = 0.05  # ... or within 50 ms: a fast request's TTFT is mostly the hop, 
 
 
 class RecordedRouter(Router):
-    """Sends request ``i`` of the replayed segment to the replica the live run sent it to (``Simulator.recorded``)."""
+    """Sends request ``i`` of the replayed segment to the replica the live run sent it to (``sim.recorded[i]``)."""
 
     name = "recorded"
 
-    def route(self, req: SimRequest, now: float) -> Optional[int]:
-        rid = self.sim.recorded[req.i]
+    def route(self, req, now):
         self._count("recorded")
-        return self.sim.ids.index(rid)
+        return self.sim.ids.index(self.sim.recorded[req.i])
 
 
 class RecordedMultiplexedRouter(RecordedRouter):
@@ -59,13 +58,11 @@ class RecordedMultiplexedRouter(RecordedRouter):
 class RecordedSimulator(Simulator):
     """A ``Simulator`` whose router replays a live run's placements: ``recorded[i]`` is request ``i``'s replica id."""
 
+    routers = {r.name: r for r in (RecordedRouter, RecordedMultiplexedRouter)}
+
     def __init__(self, trace, config: SimConfig, recorded: Sequence[str]):
         self.recorded = list(recorded)
-        router = config.router
-        super().__init__(trace, replace(config, router="hash"))  # any router without a view: replaced just below
-        self.config = replace(config, router=router)
-        self.router = (RecordedMultiplexedRouter if router == RecordedMultiplexedRouter.name else RecordedRouter)(self)
-        self.replicas = [self._replica(i, rid) for i, rid in enumerate(self.ids)]
+        super().__init__(trace, config)
 
 
 @dataclass(frozen=True)
