@@ -2,7 +2,8 @@
 
 A LoRAWorker admits as many requests as its engine batches (``max_ongoing_requests`` =
 ``max_batch_size``: spill to another replica only when a holder's batch is really full), plus
-``engine_queue`` that wait in its engine in arrival order (0 by default), drains as
+``engine_queue`` that wait in its engine in arrival order (0 by default), plus ``routing.oldest_queue``
+places in that queue that routers keep for the fleet's oldest request waiting for the replica (1), drains as
 long as a request may run (``graceful_shutdown_timeout_s`` = ``request_timeout_s`` + a margin), and is
 routed by ``AdapterAffinityRouter``. Serve lets a serve config's ``deployments:`` section override any
 option the code set, so a copy there could silently disagree with the args it was derived from. The
@@ -25,7 +26,7 @@ DRAINED_DEPLOYMENTS = ("LoRAWorker", "LoRAFleetIngress")  # they hold requests: 
 ROUTER = "request_router_config"
 # each derived option -> where its value comes from (what the error tells a user to change instead)
 DERIVED_FROM = {
-    "max_ongoing_requests": "args.max_batch_size + args.engine_queue",
+    "max_ongoing_requests": "args.max_batch_size + args.engine_queue + args.routing.oldest_queue",
     "max_queued_requests": "args.max_queued_requests",
     "graceful_shutdown_timeout_s": f"args.request_timeout_s + {DRAIN_MARGIN_S:g} s",
     f"{ROUTER}.request_router_class": "build_fleet (the adapter-affinity router)",
@@ -48,7 +49,7 @@ def worker_options(parsed) -> dict:
     from ray.serve.config import RequestRouterConfig
 
     return {
-        "max_ongoing_requests": parsed.max_batch_size + parsed.engine_queue,
+        "max_ongoing_requests": parsed.max_batch_size + parsed.engine_queue + parsed.routing.oldest_queue,
         "max_queued_requests": parsed.max_queued_requests,
         "graceful_shutdown_timeout_s": graceful_shutdown_s(parsed.request_timeout_s),
         ROUTER: RequestRouterConfig(request_router_class=ROUTER_CLASS, request_router_kwargs=parsed.router_kwargs(),

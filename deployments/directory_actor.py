@@ -22,6 +22,7 @@ from pool.errors import AdapterNotFoundError
 from routing.directory import AdapterDirectory
 from routing.plan import planned_on
 from routing.settings import RoutingSettings
+from routing.wait_exchange import EXPIRY_INTERVALS, WaitBoard
 from routing.warm_start import AdapterPlacement, rehome_targets, warm_start_plan
 
 from .metrics import DirectoryMetrics
@@ -75,6 +76,7 @@ class AdapterDirectoryActor:
         self.metrics = DirectoryMetrics()
         self._view_changes = _Versioned()
         self._registry_changes = _Versioned()
+        self.waits = WaitBoard(expiry_s=EXPIRY_INTERVALS * self.settings.wait_exchange_interval_s)
         self._app = serve.get_replica_context().app_name
         self._departed: dict[str, tuple[float, list[str]]] = {}  # replica -> (when, uids it held in slots)
         self.registry: dict[str, RegistryEntry] = self._load_registry()
@@ -225,6 +227,10 @@ class AdapterDirectoryActor:
         if self.directory.plan.version != plan_version:
             reply["plan"] = self.directory.plan.to_dict()
         return reply
+
+    async def exchange_waits(self, router_id: str, ages: dict) -> dict:
+        """A router's oldest wait per replica in, the other routers' out (``routing.wait_exchange``)."""
+        return self.waits.exchange(router_id, ages)
 
     async def placement_plan(self) -> dict:
         """The current placement plan (``routing.plan``) and the demand it follows."""

@@ -36,7 +36,7 @@ REPLY_MARGIN_S = 10.0  # a poll's reply is awaited its own timeout plus this (th
 # the thread blocked on one, and releasing its object reference afterwards makes Ray's core worker end the process
 # on the spot ("The core worker has already been shutdown ... The process will exit", exit status 1).
 _left_behind: list = []
-_feeds: "weakref.WeakSet[DirectoryFeed]" = weakref.WeakSet()  # this process's feeds, for ``stop_feeds``
+_feeds: weakref.WeakSet = weakref.WeakSet()  # this process's feeds (and wait exchanges), for ``stop_feeds``
 
 
 class FeedClosed(Exception):
@@ -59,6 +59,11 @@ def stop_feeds() -> None:
     when its process is about to exit (the routers of its handles get no stop of their own from Serve)."""
     for feed in list(_feeds):
         feed.stop()
+
+
+def stopped_with_feeds(thing) -> None:
+    """``thing.stop()`` runs with ``stop_feeds`` (a router's other thread that calls the directory)."""
+    _feeds.add(thing)
 
 
 class ExportedMetrics(Protocol):

@@ -18,8 +18,12 @@ machine shares cores with the engines:
   could only wait for a slot there, the request waits for capacity (woken, oldest first, by
   a completion of this router's requests) instead of Serve's backoff loop, which sleeps
   while rows are free and probes full replicas on every attempt; only when other routers'
-  requests fill the replica (completions this router cannot see) does the oldest waiting
-  request offer it after ``capacity_poll_s`` so Serve asks it for its queue length;
+  requests fill the replica (completions this router cannot see) does its oldest waiting
+  request for that replica offer it every ``capacity_poll_s`` so Serve asks it for its queue length;
+- oldest first across routers (``routing.wait_exchange``): while requests wait, the router trades its
+  oldest wait per replica for the other routers' through the directory, leaves a free row to another
+  router's much older request, its oldest request for each replica polls it, and the fleet's oldest may
+  wait in the replica's engine (``oldest_queue``), so rows do not stick to the router whose request freed them;
 - metrics (``routing.router_metrics``) are counted locally and exported every
   ``metrics_export_interval_s`` from the feed thread, not one ``ray.util.metrics`` call per decision;
 - the directory feed (``routing.directory_feed``) is paced by traffic (one poll per
@@ -39,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections import Counter
 from typing import List, Optional
 
@@ -51,6 +56,7 @@ from .router_metrics import RouterMetrics
 from .router_state import LocalRouterState
 from .settings import RoutingSettings
 from .view import RouterView
+from .wait_exchange import FRESH_INTERVALS, OthersWaiting, WaitExchange
 from .waiters import OldestFirstWaiters
 
 log = logging.getLogger("ray.serve")
@@ -82,12 +88,19 @@ class AdapterAffinityRouter(RequestRouter):
         self._ids: tuple[str, ...] = ()
         self._by_id: dict[str, RunningReplica] = {}
         self._caps: list[float] = []
+        self._queue_caps: list[float] = []
+        self._queue_places = False
         self._waiters = OldestFirstWaiters()
         self._waiting: Counter = Counter()  # adapter -> this router's requests waiting for a planned row
         self._kinds: dict[str, str] = {}  # request id -> decision kind, counted when routed
         self._first_seen: dict[str, float] = {}  # request id -> when it first asked for a replica
         self._last_call: tuple[Optional[str], float] = (None, 0.0)
         self.metrics = RouterMetrics()  # decisions by kind (affinity | spill | placement | base | wait | waited)
+        # oldest first across routers (routing.wait_exchange): this router's waiting requests and the others'
+        self._waits: dict[str, tuple[float, str]] = {}  # request id -> (first seen, replica it waits for)
+        self.others_waiting = OthersWaiting(fresh_s=FRESH_INTERVALS * s.wait_exchange_interval_s)
+        self.wait_exchange = WaitExchange(uuid.uuid4().hex, s.wait_exchange_interval_s, self._own_ages,
+                                          self.others_waiting, self._send_waits)
 
     @property
     def max_num_routing_tasks(self) -> int:
@@ -141,29 +154,61 @@ class AdapterAffinityRouter(RequestRouter):
         deadline = time.monotonic() + self.settings.max_wait_per_call_s
         kind = None
         counted = False  # this request is in ``_waiting`` (the rows its planned replicas owe it)
+        poll_at: Optional[float] = None  # when this request, polling for its replica, next offers it to Serve
+        queue_at: Optional[int] = None  # the replica whose queue place kept for the fleet's oldest it may take
         try:
             while True:
                 decision = self._decide(adapter, time.monotonic() - first_seen,
-                                        counted and self._waiters.is_oldest(request_id or ""))
-                if not decision.wait or time.monotonic() >= deadline:
+                                        counted and self._waiters.is_oldest(request_id or ""), queue_at)
+                # a free place another router's request has waited for much longer is left to it (its oldest
+                # request for that replica polls for it; ours takes it at its next poll if it is still free)
+                yielded = not decision.wait and self._older_elsewhere(decision, first_seen)
+                if not (decision.wait or yielded) or time.monotonic() >= deadline:
                     break
+                waits_for = decision.tiers[0][0] if yielded else decision.best
                 if not counted:
                     counted = True
                     self._waiting[adapter] += 1
                     self._waiters.join_line(first_seen, request_id or "")
-                self.metrics.decision("wait")
-                others = self._others_fill(decision.best)
+                    self.wait_exchange.waiting(asyncio.get_running_loop())
+                self.metrics.decision("yield" if yielded else "wait")
+                if waits_for is None:
+                    await self._wait_for_capacity(first_seen, deadline - time.monotonic())
+                    continue
+                self._waits[request_id or ""] = (first_seen, self._ids[waits_for])
+                oldest_here = self._oldest_for(waits_for, request_id or "", first_seen)
+                oldest = oldest_here and self.others_waiting.anyone() and \
+                    not self.others_waiting.older_elsewhere(self._ids[waits_for], first_seen)
+                # while other routers' requests wait too, the fleet's oldest request for a replica may wait in its
+                # engine's queue (``oldest_queue``): it runs at the next free row, before newer ones of any router
+                if oldest and queue_at != waits_for and self._queue_places:
+                    queue_at = waits_for
+                    retry = self._decide(adapter, time.monotonic() - first_seen,
+                                         self._waiters.is_oldest(request_id or ""), queue_at)
+                    if not retry.wait:
+                        decision = retry
+                        break
+                elif not oldest:
+                    queue_at = None
                 # only other routers' completions go unseen: with none in the way, wait for ours (no polling);
-                # with them, the oldest waiting request polls for all (the room its probe finds wakes the rest)
-                poll = others and self._waiters.first_in_line(first_seen)
-                timeout = self.settings.capacity_poll_s if poll else deadline - time.monotonic()
-                if not await self._wait_for_capacity(first_seen, timeout) and poll:
-                    # nothing of ours finished, but other routers' requests fill the best replica and
-                    # their completions are invisible here: offer it, so Serve asks it for its queue length
-                    # (offering every replica made Serve probe each in turn: slower, measured)
-                    chosen, kind = decision.best, "waited"
+                # with them, the oldest waiting request for each replica polls for it (the room a probe finds
+                # wakes the rest)
+                poll = self._others_fill(waits_for) and oldest_here
+                if not poll:
+                    poll_at = None
+                elif poll_at is None:
+                    poll_at = time.monotonic() + self.settings.capacity_poll_s
+                timeout = (poll_at if poll_at is not None else deadline) - time.monotonic()
+                await self._wait_for_capacity(first_seen, timeout)
+                if poll_at is not None and time.monotonic() >= poll_at:
+                    # other routers' requests fill the replica and their completions are invisible here: offer it
+                    # every capacity_poll_s, whatever our own completions woke meanwhile (they came often enough to
+                    # starve the poll), so Serve asks it for its queue length (offering every replica made Serve
+                    # probe each in turn: slower, measured)
+                    chosen, kind = waits_for, "waited"
                     break
         finally:
+            self._waits.pop(request_id or "", None)
             if counted:
                 self._waiters.leave_line(first_seen, request_id or "")
                 self._waiting[adapter] -= 1
@@ -186,12 +231,23 @@ class AdapterAffinityRouter(RequestRouter):
         self._candidates_of = candidate_replicas
         self._by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         self._ids = tuple(sorted(self._by_id))
-        self._caps = [float(self._by_id[r].max_ongoing_requests) for r in self._ids]
+        # a replica's rows: what it admits less the queue places kept for the fleet's oldest waiting requests
+        # (``oldest_queue``: build_fleet adds them to max_ongoing_requests)
+        admits = [float(self._by_id[r].max_ongoing_requests) for r in self._ids]
+        self._caps = [max(1.0, a - self.settings.oldest_queue) for a in admits]
+        self._queue_caps = admits
+        self._queue_places = any(a > c for a, c in zip(admits, self._caps))
 
-    def _decide(self, adapter: Optional[str], waited_s: float = 0.0, first_in_line: bool = False):
+    def _decide(self, adapter: Optional[str], waited_s: float = 0.0, first_in_line: bool = False,
+                queue_at: Optional[int] = None):
+        """``queue_at``: the replica whose queue places this request may take (it is the fleet's oldest for it)."""
         ids, cache, local = self._ids, self.replica_queue_len_cache, self.local
+        caps = self._caps
+        if queue_at is not None:
+            caps = list(caps)
+            caps[queue_at] = self._queue_caps[queue_at]
         loads = []
-        for rid, cap in zip(ids, self._caps):
+        for rid, cap in zip(ids, caps):
             probed = cache.get(self._by_id[rid].replica_id)
             q = probed if probed is not None else max(local.inflight.get(rid, 0), self.view.queue_len(rid))
             q += local.pending.get(rid, 0)
@@ -199,7 +255,7 @@ class AdapterAffinityRouter(RequestRouter):
                 local.saw_full(rid)
             loads.append(q)
         return choose_replicas(adapter, self.view.fleet_view(ids, adapter), loads, self.settings,
-                               caps=self._caps, request_s=local.request_s_by_index(ids),
+                               caps=caps, request_s=local.request_s_by_index(ids),
                                active=local.active_by_index(ids), demand=local.demand,
                                last_used=local.last_used_by_index(ids), batch_slowdown=local.batch_slowdown(),
                                waited_s=waited_s, first_in_line=first_in_line, waiting=self._waiting,
@@ -211,6 +267,36 @@ class AdapterAffinityRouter(RequestRouter):
         ``capacity_poll_s``) passes (False: other routers' requests may have completed unseen).
         Woken requests decide again oldest first (``since``: when the request first asked)."""
         return await self._waiters.wait(since, self.settings.capacity_poll_s if timeout is None else timeout)
+
+    def _older_elsewhere(self, decision, since: float) -> bool:
+        """Whether another router's request has waited for the replica ``decision`` would take longer than a
+        request that first asked at ``since``, by more than ``fair_wait_margin_s`` (``routing.wait_exchange``)."""
+        if not decision.tiers:
+            return False
+        return self.others_waiting.older_elsewhere(self._ids[decision.tiers[0][0]], since,
+                                                   self.settings.fair_wait_margin_s)
+
+    def _oldest_for(self, index: int, request_id: str, since: float) -> bool:
+        """Whether no other request of this router waiting for replica ``index`` began waiting before ``since``."""
+        rid = self._ids[index]
+        return all(other_since >= since for other_id, (other_since, other_rid) in self._waits.items()
+                   if other_rid == rid and other_id != request_id)
+
+    def _own_ages(self) -> dict[str, float]:
+        """Per replica, how long this router's oldest request waiting for it has waited (read on the exchange's
+        thread: a copy of the table the event loop writes)."""
+        for _ in range(3):
+            try:
+                entries = list(self._waits.values())
+                break
+            except RuntimeError:  # resized while copied
+                continue
+        else:
+            return {}
+        now, ages = time.monotonic(), {}
+        for since, rid in entries:
+            ages[rid] = max(ages.get(rid, 0.0), now - since)
+        return ages
 
     def _others_fill(self, index: Optional[int]) -> bool:
         """Whether replica ``index`` looks full partly because of requests this router did not send."""
@@ -275,6 +361,14 @@ class AdapterAffinityRouter(RequestRouter):
     def _send_poll(self, since_version: int, timeout_s: float, plan_version: int):
         """The directory's changes since ``since_version`` (a long poll of up to ``timeout_s``) in flight, sent from
         the feed's thread: a ``DeploymentResponse``, which the feed waits on and can withdraw."""
+        return self._directory().get_changes.remote(since_version, timeout_s, plan_version)
+
+    def _send_waits(self, router_id: str, ages: dict):
+        """This router's oldest waits per replica to the directory, the others' back (``routing.wait_exchange``),
+        sent from the exchange's thread."""
+        return self._directory().exchange_waits.remote(router_id, ages)
+
+    def _directory(self):
         import ray
         from ray import serve
 
@@ -282,4 +376,4 @@ class AdapterAffinityRouter(RequestRouter):
             raise FeedClosed("ray.shutdown() was called in this process")
         if self._directory_handle is None:
             self._directory_handle = serve.get_deployment_handle(self.directory_deployment, app_name=self.app_name)
-        return self._directory_handle.get_changes.remote(since_version, timeout_s, plan_version)
+        return self._directory_handle

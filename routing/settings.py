@@ -82,6 +82,10 @@ class RoutingSettings:
     max_router_wait: float = _setting(4.0, "row waits", POLICY,
                                       "a request waits for a planned row at most this long; then any free row "
                                       "will do, the cheapest first")
+    oldest_queue: int = _setting(1, "count", POLICY,
+                                 "per replica, places in its engine's queue beyond its rows, kept for the fleet's "
+                                 "oldest request waiting for it (build_fleet adds them to max_ongoing_requests): it "
+                                 "runs at the next free row, before newer requests of any router")
     candidate_width: int = _setting(4, "count", POLICY,
                                     "fleets above 16 replicas (``routing.policy.SMALL_FLEET``): the "
                                     "rendezvous-first and the least loaded replicas scored per decision", minimum=1)
@@ -99,6 +103,14 @@ class RoutingSettings:
     capacity_poll_s: float = _setting(0.05, "s", FEED,
                                       "when other routers' requests fill the best replica, the oldest waiting "
                                       "request offers it this often so Serve asks its queue length", above=True)
+    wait_exchange_interval_s: float = _setting(0.2, "s", FEED,
+                                               "while requests wait in a router, it tells the directory its oldest "
+                                               "wait per replica and hears the other routers' this often "
+                                               "(``routing.wait_exchange``: oldest first across routers)",
+                                               above=True)
+    fair_wait_margin_s: float = _setting(0.25, "s", FEED,
+                                          "a request leaves a free row (or queue place) to another router's request "
+                                          "that has waited for that replica longer than it by more than this")
     max_wait_per_call_s: float = _setting(1.0, "s", FEED,
                                           "a waiting request is handed back to Serve this often (so it sees "
                                           "replica set changes)", above=True)

@@ -17,16 +17,18 @@ from deployments.derived_options import (ROUTER, ROUTER_CLASS, DerivedOptionConf
 def test_worker_options_follow_the_args():
     parsed = AppArgs(max_batch_size=5, max_queued_requests=40, request_timeout_s=60, routing={"tie_epsilon": 0.5})
     options = worker_options(parsed)
-    assert options["max_ongoing_requests"] == 5 and options["max_queued_requests"] == 40
+    assert options["max_ongoing_requests"] == 5 + 1 and options["max_queued_requests"] == 40  # + oldest_queue
     assert options["graceful_shutdown_timeout_s"] == graceful_shutdown_s(60) > 60   # a drain outlasts a request
     assert options[ROUTER].request_router_class == ROUTER_CLASS
     assert options[ROUTER].request_router_kwargs == parsed.router_kwargs() == {"tie_epsilon": 0.5}
 
 
 def test_an_engine_queue_is_admitted_beyond_the_rows_and_must_fit_the_engine():
-    assert worker_options(AppArgs(max_batch_size=8, engine_queue=2))["max_ongoing_requests"] == 10
-    with pytest.raises(ValueError, match=r"engine_queue \(9\) must not exceed max_waiting_requests \(8\)"):
-        AppArgs(engine_queue=9, max_waiting_requests=8)
+    assert worker_options(AppArgs(max_batch_size=8, engine_queue=2))["max_ongoing_requests"] == 11  # + oldest_queue 1
+    assert worker_options(AppArgs(max_batch_size=8, routing={"oldest_queue": 0}))["max_ongoing_requests"] == 8
+    with pytest.raises(ValueError, match=r"engine_queue \+ routing.oldest_queue \(8 \+ 1\) must not exceed "
+                                         r"max_waiting_requests \(8\)"):
+        AppArgs(engine_queue=8, max_waiting_requests=8)
 
 
 def serve_config(**options) -> DeploymentConfig:
@@ -42,8 +44,9 @@ def test_a_config_as_build_fleet_decided_passes():
 
 def test_a_contradicting_value_fails_naming_both_numbers():
     options = worker_options(AppArgs(max_batch_size=8))
-    with pytest.raises(DerivedOptionConflict, match=r"max_ongoing_requests = 16, but build_fleet derives 8 from "
-                                                    r"args\.max_batch_size \+ args\.engine_queue"):
+    with pytest.raises(DerivedOptionConflict, match=r"max_ongoing_requests = 16, but build_fleet derives 9 from "
+                                                    r"args\.max_batch_size \+ args\.engine_queue \+ "
+                                                    r"args\.routing\.oldest_queue"):
         check_deployment("LoRAWorker", serve_config(**{**options, "max_ongoing_requests": 16}), expected(options))
     with pytest.raises(DerivedOptionConflict, match=r"graceful_shutdown_timeout_s = 150.0, but build_fleet derives 130"):
         check_deployment("LoRAWorker", serve_config(**{**options, "graceful_shutdown_timeout_s": 150}),
@@ -75,6 +78,6 @@ def test_serve_refuses_to_start_a_worker_whose_options_contradict_the_derived_on
             serve.run(app, name="contradiction", route_prefix=None)
         assert "LoRAWorker" in str(failure.value)
         message = serve.status().applications["contradiction"].deployments["LoRAWorker"].message  # its traceback
-        assert f"max_ongoing_requests = 16, but build_fleet derives {parsed.max_batch_size}" in message
+        assert f"max_ongoing_requests = 16, but build_fleet derives {decided['max_ongoing_requests']}" in message
     finally:
         delete_app("contradiction")
