@@ -24,7 +24,7 @@ from torch import nn
 from pool.memory_pool import LoRAMemoryPool
 
 from .cpu_gemm import Linear, module_linear, project
-from .lora_padded import PaddedSegments, add_padded
+from .lora_padded import PaddedSegments, RunViews, add_padded
 
 if TYPE_CHECKING:
     from .lora_plan import SegmentPlan
@@ -75,6 +75,7 @@ class LoRALinear(nn.Module):
         self.a_buffer = a_buffer    # [slots, max_rank, in]: a view into the pool
         self.bt_buffer = bt_buffer  # [slots, max_rank, out]
         self.context = context
+        self.padded_views = RunViews()  # the padded path's A/Bt views of the step's slots, kept between steps
 
     @property
     def weight(self) -> torch.Tensor:
@@ -98,7 +99,7 @@ class LoRALinear(nn.Module):
             lora_triton.add_lora(flat_x, self.a_buffer, self.bt_buffer, plan, flat_out, self.context.target_programs)
             return out
         if self.context.padded is not None:
-            add_padded(flat_x, self.a_buffer, self.bt_buffer, self.context.padded, flat_out)
+            add_padded(flat_x, self.a_buffer, self.bt_buffer, self.context.padded, flat_out, self.padded_views)
             return out
         add_segment_loop(flat_x, self.a_buffer, self.bt_buffer, segments, flat_out)
         return out

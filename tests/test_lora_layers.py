@@ -105,3 +105,23 @@ def test_sparse_slots_one_adapter_and_prefill_steps_keep_the_loop():
     assert ctx.padded is None  # one adapter: already one matmul pair
     ctx.set_segments(decode_segments([(1, 2), (2, 2)], ranks, scales))
     assert ctx.padded is None  # not a decode step
+
+
+
+def test_kept_views_follow_the_steps_slots_and_ranks():
+    """One layer over several decode steps whose runs of slots and largest ranks change: its kept A/Bt views
+    (``RunViews``) are rebuilt when they do, and every step equals the segment loop."""
+    base, a, bt, ranks = make_layer(slots=4, max_rank=8)  # ranks 0, 2, 8, 4
+    scales = [0.0, 0.5, 2.0, 1.5]
+    ctx, loop_ctx = LoRABatchContext(), LoRABatchContext()
+    layer = LoRALinear(base, a, bt, ctx)
+    steps = [[(1, 2), (2, 2), (3, 2)], [(1, 1), (3, 4)], [(1, 3), (3, 1)], [(2, 2), (3, 2)], [(1, 2), (2, 2), (3, 2)]]
+    with torch.no_grad():
+        for slot_rows in steps:
+            segments = decode_segments(slot_rows, ranks, scales)
+            x = torch.randn(segments[-1].end, 12)
+            ctx.set_segments(segments, decode_on=x.device)
+            loop_ctx.set_segments(segments)
+            assert ctx.padded is not None
+            torch.testing.assert_close(layer(x), LoRALinear(base, a, bt, loop_ctx)(x), atol=1e-5, rtol=1e-5)
+            assert layer.padded_views.key == (ctx.padded.first_slot, ctx.padded.num_slots, ctx.padded.rank)
