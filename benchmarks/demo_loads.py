@@ -19,11 +19,10 @@ and three routers: <= 2.5, no request starves), ``demo_ttft_p99_vs_p50_c16`` (<=
     python -m benchmarks.demo_loads [--quick] [--json PATH]
 
 Column ``busiest_pct``: the busiest replica's share of the outstanding requests (p90 over send instants,
-``benchmarks.live.imbalance``). At concurrency 64 it explains the tail: each completion starts a request whose
-adapter is drawn afresh, so with every adapter planned on one replica the split of the 64 outstanding requests
-is a random walk; it drifted to 60 / 4 within 3 s in 600-request runs (p99/p50 2.2-2.4 with one router, 4.8-7.5
-with three, where the idle replica's requests finish fast and lower the median), with 0 loads. Only moving work
-(a load) bounds it there.
+``benchmarks.live.imbalance``). At concurrency 64 each completion starts a request whose adapter is drawn afresh,
+so with every adapter planned on one replica the split of the 64 outstanding requests is a random walk (0 loads
+cannot move that work). With three routers the tail was worse (p99/p50 5-7): a row went to the router whose request
+freed it; routers now keep one line across routers (``routing.wait_exchange``), 1.9-2.3 since.
 
 ``--quick``: the peers only in the TTFT row (about two minutes on 2 cores). Starts its own
 local Ray cluster with Serve's HTTP proxy disabled.
