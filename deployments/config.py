@@ -83,14 +83,15 @@ class AppArgs(BaseModel):
     generated demo adapter (unset with `base_model: demo`: the demo adapters)"""
     max_batch_size: int = Field(default=8, ge=1)
     """running requests per replica (also bounded by free KV blocks); `build_fleet` makes it (plus `engine_queue`
-    and `routing.oldest_queue`) LoRAWorker's `max_ongoing_requests`, so a replica spills only when its batch is full"""
+    and the routing setting `oldest_queue`) LoRAWorker's `max_ongoing_requests`, so a replica spills only when its
+    batch is full"""
     engine_queue: int = Field(default=0, ge=0)
     """requests a replica admits beyond `max_batch_size`, waiting in its engine in arrival order: a freed row
     starts the oldest of them at once, whichever router sent it, instead of going to whichever router first
     learns of it (the demo at concurrency 64 through three routers, 4 interleaved runs: e2e p99 2.25 s against
     3.14 s, p50 0.61 s against 0.41 s, the same req/s); the routers count these admissions as rows. 0: only the
-    `routing.oldest_queue` places, which the routers keep for the fleet's oldest request waiting for the replica,
-    wait there; every other waiting request waits in its router"""
+    places of the routing setting `oldest_queue`, which the routers keep for the fleet's oldest request waiting for
+    the replica, wait there; every other waiting request waits in its router"""
     max_num_batched_tokens: Optional[int] = Field(default=None, ge=1)
     """tokens one engine step feeds; longer prompts are prefilled in chunks beside running decodes (unset: 8192
     on CUDA, 1024 on the CPU, at least `max_batch_size`)"""
