@@ -191,9 +191,11 @@ class AdapterAffinityRouter(RequestRouter):
                 elif not oldest:
                     queue_at = None
                 # only other routers' completions go unseen: with none in the way, wait for ours (no polling);
-                # with them, the oldest waiting request for each replica polls for it (the room a probe finds
-                # wakes the rest)
-                poll = self._others_fill(waits_for) and oldest_here
+                # with them, the oldest waiting request polls for all (the room a probe finds wakes the rest), and
+                # while other routers' requests wait too, the oldest for each replica polls that one (the rows
+                # they leave it are found within a poll), so probes grow with replicas only under contention
+                poll = self._others_fill(waits_for) and (self._waiters.first_in_line(first_seen) or
+                                                         (oldest_here and self.others_waiting.anyone()))
                 if not poll:
                     poll_at = None
                 elif poll_at is None:
