@@ -95,7 +95,7 @@ class AdapterAffinityRouter(RequestRouter):
         self._kinds: dict[str, str] = {}  # request id -> decision kind, counted when routed
         self._first_seen: dict[str, float] = {}  # request id -> when it first asked for a replica
         self._last_call: tuple[Optional[str], float] = (None, 0.0)
-        self.metrics = RouterMetrics()  # decisions by kind (affinity | spill | placement | base | wait | waited)
+        self.metrics = RouterMetrics()  # decisions by kind (affinity | spill | placement | base | wait | waited | yield)
         # oldest first across routers (routing.wait_exchange): this router's waiting requests and the others'
         self._waits: dict[str, tuple[float, str]] = {}  # request id -> (first seen, replica it waits for)
         self.others_waiting = OthersWaiting(fresh_s=FRESH_INTERVALS * s.wait_exchange_interval_s)

@@ -31,7 +31,8 @@ class RouterMetrics:
                                         description="Routing decisions by kind (affinity, spill: another replica "
                                                     "than the holders, prefill_spill: the same, to skip a long "
                                                     "prefill queue, placement: no holder, base, wait: the best "
-                                                    "replica was full; waited: offered after a wait for it)",
+                                                    "replica was full; waited: offered after a wait for it; yield: a free "
+                                                    "row left to another router's older request)",
                                         tag_keys=("kind",))
         self._lag = Gauge("lorafleet_router_view_lag_seconds",
                           description="Seconds since this router's view last heard from the directory")

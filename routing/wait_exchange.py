@@ -16,16 +16,17 @@ What the routers do with the exchange (``routing.ray_router``):
   and hears back the other routers' (one small call to the directory, which keeps the reports in a ``WaitBoard``;
   a router with no one waiting sends nothing after one empty report);
 - a request that could take a row (or queue place) at a replica where another router's request has waited longer
-  by more than ``fair_wait_margin_s`` leaves it and waits; each router's oldest request for a replica polls it every
-  ``capacity_poll_s`` while other routers' requests fill it, so the older request finds the room (and the one that
-  left it takes it at its own next poll if no one did: a row is never left longer than a poll);
+  by more than ``fair_wait_margin_s`` leaves it and waits; while other routers' requests wait too, each router's
+  oldest request for a replica polls it every ``capacity_poll_s`` (other routers' requests fill it), so the older
+  request finds the room (and the one that left it takes it at its own next poll if no one did: a row is never
+  left longer than a poll);
 - while other routers have requests waiting, the fleet's oldest request for a replica (no other router reports an
   older one) may take the replica's ``oldest_queue`` places beyond its rows: it waits in that replica's engine and
   runs at its next free row, so the rows the others leave it are never idle (without those places the demo's
   three routers above served 57 and 80 req/s). A router alone leaves them empty: its own line is oldest first.
 
-Measured on the demo at concurrency 64 through three routers, 600 requests, two runs: e2e p99/p50 1.61 and 1.93
-at 95.7 and 93.4 req/s, against 1.49 and 1.55 at 90.8 and 86.1 req/s with one router in the same process.
+Measured on the demo at concurrency 64 through three routers, 600 requests, runs alternated with the code before
+this (docs/benchmarks.md): e2e p99/p50 1.86-2.15 at 81-93 req/s, against 5.80-7.40 at 61-72 req/s.
 
 No Ray here: the router hands ``WaitExchange`` a ``send(router_id, ages) -> PendingCall`` (the directory's
 ``exchange_waits`` in flight) and the directory holds the ``WaitBoard``.
