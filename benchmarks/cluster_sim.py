@@ -49,6 +49,7 @@ from .sim import SimConfig, run_sim
 from .sim.costs import CostModel
 from .sim.elastic_runs import elastic_tasks, report, run_elastic
 from .sim.fleet_bound import bound_rows, fleet_bound
+from .sim.online_floor import online_floor
 from .sim.overhead import measure
 from .traces import Popularity, make_trace
 
@@ -124,11 +125,14 @@ def run_task(task: tuple[Setting, str]) -> dict[str, Any]:
     trace = make_trace(setting.requests, setting.adapters, Popularity("power", setting.alpha),
                        rate=setting.rate(costs, config.max_batch), cv=setting.cv, seed=setting.seed)
     result = run_sim(trace, config)
-    bound = fleet_bound(trace.adapters, setting.replicas, config.slots, int(len(trace) * config.warmup_fraction))
+    first_measured = int(len(trace) * config.warmup_fraction)
+    bound = fleet_bound(trace.adapters, setting.replicas, config.slots, first_measured)
+    floor = online_floor(trace.adapters, trace.popularity.probabilities(setting.adapters),
+                         setting.replicas * config.slots, first_measured)
     row = {"experiment": setting.experiment, "alpha": setting.alpha, "cv": setting.cv, "load": setting.load,
            "lag_s": setting.lag_s, "epsilon": setting.epsilon, **result.row(), "kinds": result.kinds,
            "fleet_slots": bound.fleet_slots, "bound": bound.measured, "bound_total": bound.total,
-           "global_lru": bound.global_lru,
+           "global_lru": bound.global_lru, "online_floor": floor.realized,
            "loads_vs_bound": result.loads / max(1, bound.measured)}
     return row
 
@@ -454,12 +458,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     bounds = bound_rows(rows, ROUTER_ORDER)
     print()
     common.print_table(bounds, ["experiment", "replicas", "adapters", "alpha", "load", "cv", "fleet_slots", "bound",
-                                *ROUTER_ORDER, "global_lru", "bound_total", "affinity_total"], floatfmt=".3g",
+                                *ROUTER_ORDER, "global_lru", "online_floor", "bound_total", "affinity_total"],
+                       floatfmt=".3g",
                        title="== fleet lower bound: Belady's MIN over one cache of replicas x slots (no router can "
                              "load less); bound = measured requests, cache starting with the best contents; each "
                              "router's measured loads / bound; global_lru: one LRU cache of every slot with no "
-                             "routing constraint (the pools evict LRU; MIN sees the future) / bound; bound_total and "
-                             "affinity_total: the whole run from empty slots")
+                             "routing constraint (the pools evict LRU; MIN sees the future) / bound; online_floor: A0, "
+                             "the fewest loads any online policy expects on independent requests (sim.online_floor) / "
+                             "bound; bound_total and affinity_total: the whole run from empty slots")
 
     elastic_goals, elastic_extra = report(elastic_rows, elastic)
 
@@ -480,6 +486,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     goals.append(common.goal("sim_loads_vs_fleet_bound", None if worst is None else round(worst, 3),
                              "<= 1.5 (affinity loads / fleet bound, default setting, worst fleet size)",
                              None if worst is None else worst <= 1.5))
+    floors = [b["online_floor"] for b in bounds if b["experiment"] == "fleet"]
+    goals.append(common.goal("sim_online_floor_vs_fleet_bound", round(max(floors), 3) if floors else None,
+                             "reported (A0's loads / fleet bound, worst fleet size: no online router expects fewer "
+                             "loads, so a sim_loads_vs_fleet_bound target below this is out of reach)", None))
     goals += elastic_goals
     big = [r for r in overhead if r["replicas"] == 1024 and r["kind"] == "policy"]
     goals.append(common.goal("sim_decision_median_us_1024_replicas", round(big[0]["median_us"], 1) if big else None,

@@ -9,6 +9,7 @@ import pytest
 
 from benchmarks import cluster_sim
 from benchmarks.policies import replay_online
+from benchmarks.sim.fleet_bound import bound_rows
 from benchmarks.sim import ROUTERS, SimConfig, Simulator, run_sim
 from benchmarks.traces import Popularity, make_trace
 
@@ -111,6 +112,9 @@ def test_benchmark_helpers_on_a_tiny_plan() -> None:
     assert md.startswith("| setting |") and "| affinity |" in md
     plan = cluster_sim.make_plan(quick=True, seed=0)
     assert {r for _, r in plan.tasks} == set(cluster_sim.ROUTER_ORDER)
+    (bounds,) = bound_rows(rows, cluster_sim.ROUTER_ORDER)
+    assert bounds["online_floor"] >= 1.0  # the best online policy never loads less than the clairvoyant bound
+    assert bounds["global_lru"] >= bounds["online_floor"] * 0.9  # and LRU, online too, is not far below it either
 
 
 # ---------------------------------------------------------------------------- the live fleet in simulation

@@ -403,3 +403,16 @@ def test_a_replay_starts_from_the_fleet_a_live_deploy_recorded():
     modelled = replay_variant(settings, "affinity", replica_ids=ids)
     assert deployed == replay_variant(settings, "affinity", replica_ids=ids, deployed=warmup)  # deterministic
     assert deployed[0]["loads"] != modelled[0]["loads"] or deployed[0]["ttft_p50_ms"] != modelled[0]["ttft_p50_ms"]
+
+
+def test_fleet_live_goals_take_the_worst_cell_and_report_the_online_floor():
+    def row(segment, variant, loads, p99, floor=30):
+        return {"segment": segment, "variant": variant, "loads": loads, "ttft_p99_ms": p99, "online_floor": floor,
+                "machine_cpu_share": 0.5}
+    rows = [row("a", "affinity", 30, 900), row("a", "multiplexed", 60, 1000), row("a", "pow2", 90, 950),
+            row("b", "affinity", 40, 1200, 20), row("b", "multiplexed", 50, 1100, 20), row("b", "hash", 45, 1300, 20)]
+    got = {g["name"]: g for g in fleet_live.goals(rows, None)}
+    assert got["fleet16_loads_vs_multiplexed"]["measured"] == 0.8 and got["fleet16_loads_vs_multiplexed"]["pass"] is False
+    assert got["fleet16_p99_ttft_vs_best_peer"]["measured"] == round(1200 / 1100, 3)
+    assert got["fleet16_online_floor_vs_multiplexed"]["measured"] == 0.5  # 30 / 60 in cell a, 20 / 50 in b
+    assert got["fleet16_online_floor_vs_multiplexed"]["pass"] is None and got["fleet16_sim_agrees"]["pass"] is None

@@ -11,7 +11,7 @@ REPO = Path(__file__).resolve().parents[1]
 BENCHMARK_TESTS = {"test_benchmark_chaos.py", "test_benchmark_engine_throughput.py", "test_benchmark_lora_compute.py",
                    "test_benchmark_machine_speed.py",
                    "test_benchmark_model_id_lag.py", "test_benchmark_routing_live.py", "test_benchmarks_pool.py", "test_cluster_sim.py",
-                   "test_fleet_bound.py", "test_fleet_emulation.py", "test_fleet_replay.py", "test_fleet_workload.py",
+                   "test_fleet_bound.py", "test_fleet_emulation.py", "test_fleet_replay.py", "test_fleet_workload.py", "test_online_floor.py",
                    "test_gpu_check.py", "test_sim_scale.py", "test_sim_serve_cache.py", "test_sim_serve_routing.py",
                    "test_worker_replay.py"}
 

@@ -90,7 +90,8 @@ def bound_rows(rows: list[dict], routers: tuple[str, ...]) -> list[dict]:
                                      "adapters": r["adapters"], "alpha": r["alpha"], "load": r["load"],
                                      "cv": r["cv"], "fleet_slots": r["fleet_slots"], "bound": r["bound"],
                                      "bound_total": r["bound_total"],
-                                     "global_lru": r.get("global_lru", 0) / max(1, r["bound"])})
+                                     "global_lru": r.get("global_lru", 0) / max(1, r["bound"]),
+                                     "online_floor": r.get("online_floor", 0) / max(1, r["bound"])})
         if r["router"] in routers:
             entry[r["router"]] = r["loads"] / max(1, r["bound"])
             entry[f"{r['router']}_total"] = r["loads_total"] / max(1, r["bound_total"])
