@@ -222,7 +222,9 @@ class AdapterAffinityRouter(RequestRouter):
                 return []
             chosen, kind = decision.tiers[0][0], decision.kind
         if request_id is not None:
-            self.local.chose(request_id, self._ids[chosen])
+            rid = self._ids[chosen]
+            self.local.chose(request_id, rid, request_prompt_tokens(request) * (
+                self.view.prefill_s_per_token(rid) or self.settings.prefill_s_per_token))
             self._kinds[request_id] = kind
             if len(self._kinds) > 10_000:  # requests cancelled before routing leave entries
                 self._kinds.clear()

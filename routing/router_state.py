@@ -77,17 +77,20 @@ class ByIndex:
 
 
 class SecondsLeft:
-    """``max(0, table[ids[i]] - now)`` for index ``i``: a time left per replica, computed only for the
-    replicas a decision looks at (large fleets)."""
+    """``max(0, table[ids[i]] - now) + extra[ids[i]]`` for index ``i``: a time left per replica, computed only
+    for the replicas a decision looks at (large fleets)."""
 
-    __slots__ = ("ids", "table", "now")
+    __slots__ = ("ids", "table", "now", "extra")
 
-    def __init__(self, ids: Sequence[str], table: Mapping[str, float], now: float):
-        self.ids, self.table, self.now = ids, table, now
+    def __init__(self, ids: Sequence[str], table: Mapping[str, float], now: float,
+                 extra: Optional[Mapping[str, float]] = None):
+        self.ids, self.table, self.now, self.extra = ids, table, now, extra
 
     def __getitem__(self, i: int) -> float:
-        end = self.table.get(self.ids[i])
-        return end - self.now if end is not None and end > self.now else 0.0
+        rid = self.ids[i]
+        end = self.table.get(rid)
+        left = end - self.now if end is not None and end > self.now else 0.0
+        return left + self.extra.get(rid, 0.0) if self.extra else left
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -112,20 +115,37 @@ class LocalRouterState:
         self.pending: Counter = Counter()                      # replica -> chosen, not yet in Serve's cache
         self.full_at: dict[str, float] = {}                    # replica -> when it was last seen full
         self.prefill_end: dict[str, float] = {}                # replica -> when the prompts sent there have prefilled
+        # prompts decided for a replica and not yet accepted there: request id -> (replica, seconds, expiry)
+        self._prompts_chosen: dict[str, tuple[str, float, float]] = {}
+        self.pending_prefill: dict[str, float] = {}            # replica -> those prompts' prefill seconds
         self._pruned_at = clock()
 
     # ------------------------------------------------------------------ events
 
-    def chose(self, request_id: str, replica_id: str) -> None:
-        """A decision was handed to Serve; it counts against the replica until Serve sends it."""
+    def chose(self, request_id: str, replica_id: str, prompt_s: float = 0.0) -> None:
+        """A decision was handed to Serve; it counts against the replica until Serve sends it, and its prompt
+        (``prompt_s`` seconds of prefill there) until the replica accepts it (``routed``).
+
+        Why the prompt counts from the decision: Serve sends each request in a task of its own, and the replica's
+        accept comes a round trip later (tens to hundreds of ms on a busy host). A burst decided within that
+        window saw no prefill queued at the replica a moment ago idle, and every long prompt of it went there
+        (``fleet_live``'s slowest first tokens: three prompts of 4.6k-7.4k tokens sent to one replica at once)."""
         previous = self._chosen.pop(request_id, None)
         if previous is not None:
             self._release(previous[0])
+        self._release_prompt(request_id)
         if len(self._chosen) > self.max_tracked:  # requests cancelled before sending never come back
             self._chosen.clear()
             self.pending.clear()
-        self._chosen[request_id] = (replica_id, self._clock() + self.send_ttl_s)
+        if len(self._prompts_chosen) > self.max_tracked:
+            self._prompts_chosen.clear()
+            self.pending_prefill.clear()
+        expiry = self._clock() + self.send_ttl_s
+        self._chosen[request_id] = (replica_id, expiry)
         self.pending[replica_id] += 1
+        if prompt_s > 0:
+            self._prompts_chosen[request_id] = (replica_id, prompt_s, expiry)
+            self.pending_prefill[replica_id] = self.pending_prefill.get(replica_id, 0.0) + prompt_s
 
     def sent(self, replica_id: str) -> None:
         """Serve sent a request to ``replica_id`` (its queue-length cache now counts it)."""
@@ -139,6 +159,7 @@ class LocalRouterState:
                prefill_s_per_token: float = 0.0) -> None:
         """The replica accepted the request: a prompt of ``prompt_tokens`` that it prefills at
         ``prefill_s_per_token`` (its measured rate, else the settings' prior), after those sent before."""
+        self._release_prompt(request_id)  # counted from its decision until now (``chose``)
         if prompt_tokens > 0 and prefill_s_per_token > 0:
             now = self._clock()
             self.prefill_end[replica_id] = max(self.prefill_end.get(replica_id, now), now) + \
@@ -191,8 +212,10 @@ class LocalRouterState:
 
     def forget_replica(self, replica_id: str) -> None:
         for table in (self.request_time, self.inflight, self.active, self.pending, self.last_used, self.full_at,
-                      self.prefill_end):
+                      self.prefill_end, self.pending_prefill):
             table.pop(replica_id, None)
+        for request_id in [k for k, (rid, _, _) in self._prompts_chosen.items() if rid == replica_id]:
+            del self._prompts_chosen[request_id]
 
     def expire(self) -> None:
         """Drop decisions Serve never sent (cancelled requests), so their rows come back; every
@@ -208,6 +231,9 @@ class LocalRouterState:
             if expiry <= now:
                 del self._chosen[request_id]
                 self._release(rid)
+        for request_id, (_, _, expiry) in list(self._prompts_chosen.items()):
+            if expiry <= now:
+                self._release_prompt(request_id)
 
     # ------------------------------------------------------------------ policy inputs
 
@@ -228,13 +254,24 @@ class LocalRouterState:
         """Per replica, seconds until the prompts this router sent it have prefilled (0 when none are left).
         An estimate from this router's own sends at the replicas' measured rates: a prompt that finished
         early (cancelled, or prefilled faster) still counts until its estimated end, never beyond."""
-        return SecondsLeft(ids, self.prefill_end, self._clock())
+        return SecondsLeft(ids, self.prefill_end, self._clock(), self.pending_prefill)
 
     def request_s_by_index(self, ids: Sequence[str]) -> ByIndex:
         """Measured request time per replica; an unmeasured replica gets the fleet's mean."""
         times = self.request_time
         default = sum(times.values()) / len(times) if times else None
         return ByIndex(ids, times, default)
+
+    def _release_prompt(self, request_id: str) -> None:
+        entry = self._prompts_chosen.pop(request_id, None)
+        if entry is None:
+            return
+        rid, seconds, _ = entry
+        left = self.pending_prefill.get(rid, 0.0) - seconds
+        if left > 1e-9:
+            self.pending_prefill[rid] = left
+        else:
+            self.pending_prefill.pop(rid, None)
 
     def _release(self, replica_id: str) -> None:
         if self.pending[replica_id] > 1:

@@ -251,6 +251,35 @@ def test_prompts_sent_to_a_replica_queue_for_prefill_and_the_wait_runs_down_with
     assert s.prefill_wait_by_index(("r0",))[0] == 0.0
 
 
+def test_a_chosen_prompt_queues_for_prefill_from_its_decision_until_the_replica_accepts_it():
+    """A burst decided before any of it is accepted sees the prompts decided ahead of it (Serve's send to the
+    replica takes a round trip); the accept replaces the estimate by the routed one, never counting it twice; a
+    decision never sent expires; a request decided again moves its prompt; forgetting the replica drops them."""
+    clock = Clock()
+    s = LocalRouterState(clock=clock, settings=RoutingSettings(send_ttl_s=1.0))
+    s.chose("q1", "r0", 2.0)
+    s.chose("q2", "r0", 1.0)
+    s.chose("q3", "r1")  # no prompt: no wait
+    wait = s.prefill_wait_by_index(("r0", "r1"))
+    assert [wait[0], wait[1]] == [pytest.approx(3.0), 0.0]
+    s.sent("r0")  # sent but not yet accepted: its prompt still counts
+    assert s.prefill_wait_by_index(("r0",))[0] == pytest.approx(3.0)
+    s.routed("q1", "r0", "a", 1000, 1e-3)  # accepted: 1 s as routed, replacing the decision's 2 s
+    assert s.prefill_wait_by_index(("r0",))[0] == pytest.approx(2.0)
+    s.chose("q2", "r1", 1.0)  # decided again elsewhere
+    wait = s.prefill_wait_by_index(("r0", "r1"))
+    assert [wait[0], wait[1]] == [pytest.approx(1.0), pytest.approx(1.0)]
+    clock.now += 1.5
+    s.expire()  # q2 never sent: gone; q1's routed second ran down
+    wait = s.prefill_wait_by_index(("r0", "r1"))
+    assert [wait[0], wait[1]] == [0.0, 0.0] and not s.pending_prefill
+    s.chose("q4", "r0", 0.5)
+    s.forget_replica("r0")
+    assert s.prefill_wait_by_index(("r0",))[0] == 0.0
+    s.routed("q4", "r0", "a")  # an accept after the replica was forgotten changes nothing
+    assert not s.pending_prefill
+
+
 def test_the_prefill_rate_is_measured_per_replica_and_unmeasured_ones_get_the_fleet_mean():
     from routing.load_timings import LoadTimings
 
