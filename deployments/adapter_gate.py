@@ -24,7 +24,7 @@ from .config import NAME_RE
 from .fleet_admin import not_registered
 from .quotas import GIVE_BACK_WAIT_S, AdapterQuotas, HandleCalls
 from .replica_share import serve_placement
-from .resolvers import AdapterResolver, LookupLimiter, shown
+from .resolvers import RESOLVER_BUSY, AdapterResolver, LookupLimiter, shown
 from .traffic_split import families, label_of, pick, quota_of
 from .versions import VersionedFleetAdmin
 
@@ -100,6 +100,8 @@ class AdapterGate:
         refusal = self._refusal_now(name)
         self.guard_asked += 1
         self.early_refusals += refusal is not None
+        if getattr(refusal, "code", None) == RESOLVER_BUSY:
+            self.resolver.limiter.refused += 1
         return refusal
 
     def _refusal_now(self, name: object) -> Optional[BaseException]:
@@ -123,9 +125,17 @@ class AdapterGate:
             return miss
         limiter = self.resolver.limiter
         if limiter is not None and not self.resolver.looking_up(name) and limiter.would_refuse():
-            limiter.refused += 1
             return limiter.busy()
         return None
+
+    def rate_refusal_ends_in_s(self, name: object) -> float:
+        """Seconds until the lookup rate lets ``name``'s lookup start, when the rate's 429 is what ``refusal_now``
+        would answer now and the rate alone refuses; else 0 (no refusal, another one, or the concurrency limit
+        refuses too). Counts nothing: the model guard asks it before ``refusal_now``."""
+        limiter = self.resolver.limiter if self.resolver is not None else None
+        if limiter is None or getattr(self._refusal_now(name), "code", None) != RESOLVER_BUSY:
+            return 0.0
+        return limiter.rate_alone_refuses_for_s()
 
     async def admit(self, name: Optional[str]) -> Admission:
         """404/429 before any work, else the entry to serve and the quota place to release."""

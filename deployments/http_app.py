@@ -24,7 +24,8 @@ def build_http_app(ingress) -> FastAPI:
     app.add_middleware(ModelGuard, refusal=lambda model: None if model in base_names else
                        ingress.gate.refusal_now(model),
                        hint=lambda model, status, waited_s: refusal_hint(ingress.gate, NAME_RE, app_name, base_names,
-                                                                         model, status, waited_s))
+                                                                         model, status, waited_s),
+                       wait=lambda model: 0.0 if model in base_names else ingress.gate.rate_refusal_ends_in_s(model))
     install_error_handlers(app)
     app.include_router(openai_router(ingress))
     app.include_router(admin_router(ingress))

@@ -24,6 +24,7 @@ first invalid field (400): either answer is true of it.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Callable, Optional
 
 from fastapi import Request
@@ -31,21 +32,25 @@ from fastapi.routing import APIRoute
 
 from .asgi_body import (GUARDED_PATHS, MAX_GUARDED_BODY, UNPARSED, declared_length, model_of, parse_json,
                         read_body, replay, route_path)
-from .edge_hints import hinting, marked
+from .edge_hints import PROBE_TOKEN_WAIT_S, hinting, marked
 from .http_errors import error_response
 
 PARSED_BODY = "lorafleet.parsed_body"   # scope key: the JSON the guard decoded from the body it hands on
 Refusal = Callable[[Optional[str]], Optional[BaseException]]
 Hint = Callable[[str, int, float], Optional[bytes]]   # (model, status, waited s) -> the edge guard's hint
+Wait = Callable[[str], float]   # model -> seconds until the refusal it would get now ends by itself (0: none such)
 
 
 class ModelGuard:
     """``refusal(model)``: the error to answer with now, or None to let the app decide.
     ``hint(model, status, waited_s)``: what to tell the edge guard in Serve's proxy about a 404 or 429, on the
-    requests it marked (edge_hints.py)."""
+    requests it marked (edge_hints.py). ``wait(model)``: seconds until the refusal ``model`` would get now ends by
+    itself (the lookup rate's token); a marked request whose refusal ends within ``PROBE_TOKEN_WAIT_S`` waits for
+    that first, then is decided (edge_hints.py says why)."""
 
-    def __init__(self, app, refusal: Refusal, max_body: int = MAX_GUARDED_BODY, hint: Optional[Hint] = None):
-        self.app, self.refusal, self.max_body, self.hint = app, refusal, max_body, hint
+    def __init__(self, app, refusal: Refusal, max_body: int = MAX_GUARDED_BODY, hint: Optional[Hint] = None,
+                 wait: Optional[Wait] = None):
+        self.app, self.refusal, self.max_body, self.hint, self.wait = app, refusal, max_body, hint, wait
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope.get("method") != "POST" or route_path(scope) not in GUARDED_PATHS:
@@ -56,6 +61,10 @@ class ModelGuard:
         messages, body = await read_body(receive)
         parsed = parse_json(body) if body is not None else UNPARSED
         model = model_of(parsed)
+        if model is not None and self.wait is not None and marked(scope):
+            wait_s = self.wait(model)
+            if 0 < wait_s <= PROBE_TOKEN_WAIT_S:
+                await asyncio.sleep(wait_s + 0.001)   # (a token due at the very end of the sleep: float rounding)
         error = self.refusal(model) if model is not None else None
         if self.hint is not None and model is not None and marked(scope):
             hint = self.hint

@@ -36,6 +36,7 @@ from .replica_share import replica_share
 
 log = logging.getLogger("ray.serve")
 SHOWN_NAME_CHARS = 80
+RESOLVER_BUSY = "resolver_busy"   # the code of the lookup limit's 429 (``LookupLimiter.busy``)
 
 
 def shown(name: str) -> str:
@@ -94,10 +95,18 @@ class LookupLimiter:
         replicas, _ = self.placement()
         return (1.0 - tokens) * replicas / self.lookups_per_s
 
+    def rate_alone_refuses_for_s(self) -> float:
+        """``refusing_for_s`` when the rate is all that refuses a lookup now; 0 when the concurrency limit is
+        reached too (it ends whenever a lookup does, a time nobody can state) or nothing refuses."""
+        replicas, rank = self.placement()
+        if self.running >= replica_share(self.max_concurrent, replicas, rank):
+            return 0.0
+        return self.refusing_for_s()
+
     @staticmethod
     def busy() -> HTTPError:
         return HTTPError(429, "adapter resolver lookups are at their limit; retry later",
-                         param="model", code="resolver_busy", retry_after=1)
+                         param="model", code=RESOLVER_BUSY, retry_after=1)
 
     def take(self) -> None:
         """One lookup may start now, or a 429 (nothing is remembered of the name)."""

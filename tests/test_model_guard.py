@@ -18,7 +18,7 @@ from pydantic import BaseModel
 
 from deployments.adapter_gate import AdapterGate
 from deployments.config import NAME_RE, AdapterSpec, AppArgs
-from deployments.edge_hints import EDGE_MARK, HINT_HEADER, refusal_hint
+from deployments.edge_hints import EDGE_MARK, HINT_HEADER, PROBE_TOKEN_WAIT_S, refusal_hint
 from deployments.http_errors import error_response
 from deployments.model_guard import ModelGuard
 from deployments.quotas import AdapterQuotas, HandleCalls
@@ -74,7 +74,8 @@ def fleet(tmp_path):
     base_names = {"demo", "base", ""}
     guard = ModelGuard(app, lambda model: None if model in base_names else gate.refusal_now(model),
                        hint=lambda model, status, waited_s: refusal_hint(gate, NAME_RE, "test-app", base_names, model,
-                                                                         status, waited_s))
+                                                                         status, waited_s),
+                       wait=lambda model: 0.0 if model in base_names else gate.rate_refusal_ends_in_s(model))
     return {"gate": gate, "admin": admin, "resolver": resolver, "limiter": limiter, "app": app, "guard": guard}
 
 
@@ -167,6 +168,27 @@ def test_a_marked_429_of_the_lookup_rate_states_until_when_it_refuses_every_unkn
     hint = json.loads(reply.headers[HINT_HEADER.decode()])
     assert 0 < hint["unknown_for_s"] <= 1 / limiter.lookups_per_s + 1.0 and (hint["rank"], hint["replicas"]) == (0, 1)
     assert "name_for_s" not in hint   # a 429 says nothing of the name itself
+
+
+def test_a_marked_request_whose_lookup_token_is_due_within_the_probe_wait_waits_for_it_and_goes_on(fleet):
+    limiter = fleet["limiter"]
+    limiter.lookups_per_s = 1 / (PROBE_TOKEN_WAIT_S * 0.6)   # the next token is due within the wait
+    limiter.take()
+    limiter.done()
+    no_refresh_due(fleet["admin"])
+    reply = post(fleet, "bogus-6", headers=MARKED)   # (unmarked, it would be a 429: the test above)
+    assert reply.status_code == 200 and [json.loads(b)["model"] for b in fleet["app"].bodies] == ["bogus-6"]
+    assert limiter.refused == 0 and fleet["gate"].early_refusals == 0   # it was never refused
+
+
+def test_a_request_the_concurrency_limit_refuses_too_gets_its_429_without_waiting(fleet):
+    limiter = fleet["limiter"]
+    limiter.lookups_per_s = 1 / (PROBE_TOKEN_WAIT_S * 0.6)
+    limiter.take()
+    limiter.running = limiter.max_concurrent   # every lookup place is taken: no time can be stated
+    no_refresh_due(fleet["admin"])
+    assert fleet["gate"].rate_refusal_ends_in_s("bogus-7") == 0.0
+    assert post(fleet, "bogus-7", headers=MARKED).status_code == 429 and fleet["app"].bodies == []
 
 
 def test_known_names_and_names_the_ingress_holds_nothing_about_get_no_hint(fleet):
