@@ -18,8 +18,20 @@ from engine.request import GenerateRequest
 from engine.tuning import EngineTuning
 
 
-def os_threads() -> int:
-    return len(os.listdir("/proc/self/task"))
+def team_threads() -> set[int]:
+    """The process's threads that can be OpenMP workers: not Python threads (another test's feed or executor thread
+    may start or end meanwhile) and named as the process is (Ray's and gRPC's native threads name themselves)."""
+    python = {t.native_id for t in threading.enumerate()}
+    main = _comm(os.getpid())
+    return {tid for tid in map(int, os.listdir("/proc/self/task")) if tid not in python and _comm(tid) == main}
+
+
+def _comm(tid: int) -> str:
+    try:
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            return f.read().strip()
+    except OSError:  # ended meanwhile
+        return ""
 
 
 def parallel_op() -> None:
@@ -40,13 +52,13 @@ def test_release_frees_the_calling_threads_team_and_the_next_op_makes_one(two_th
     result: dict[str, int] = {}
 
     def work():  # a fresh thread: its team is its own, nothing else in the process touches it
-        before = os_threads()
+        before = team_threads()
         parallel_op()
-        result["with_team"] = os_threads() - before
+        result["with_team"] = len(team_threads() - before)
         assert openmp_team.release_thread_team()
-        result["released"] = os_threads() - before
+        result["released"] = len(team_threads() - before)
         parallel_op()
-        result["again"] = os_threads() - before
+        result["again"] = len(team_threads() - before)
         openmp_team.release_thread_team()
 
     thread = threading.Thread(target=work)
