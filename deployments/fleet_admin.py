@@ -79,6 +79,11 @@ class FleetAdmin:
         ``missing_ok`` (resolvers): the worker answers a missing source instead of raising it (no traceback
         there); it is raised here all the same."""
         current = self.registry.entries.get(spec.name)
+        if current is not None and (current.source, current.revision) != (spec.source, spec.revision):
+            # this replica's copy may be a moment old: another ingress replica may have just unregistered the name
+            # (an unregister then a register, each sent to a different replica, was refused with a 409)
+            await self.registry.refresh()
+            current = self.registry.entries.get(spec.name)
         if current is not None:
             if (current.source, current.revision) == (spec.source, spec.revision):
                 return await self._update_pin_policy(current, spec)
