@@ -33,9 +33,6 @@ class OnlineFloor:
     realized: int     # A0's loads on the measured requests of this trace
     expected: float   # A0's expected loads over as many requests: no online policy expects fewer
 
-    def to_dict(self) -> dict:
-        return {"slots": self.slots, "realized": self.realized, "expected": round(self.expected, 2)}
-
 
 def online_floor(adapters: np.ndarray, probabilities: np.ndarray, slots: int, first_measured: int = 0) -> OnlineFloor:
     """A0's loads for a cache of ``slots`` entries on ``adapters[first_measured:]`` (adapter ids, drawn from
