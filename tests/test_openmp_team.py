@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -56,6 +57,9 @@ def test_release_frees_the_calling_threads_team_and_the_next_op_makes_one(two_th
         parallel_op()
         result["with_team"] = len(team_threads() - before)
         assert openmp_team.release_thread_team()
+        deadline = time.monotonic() + 10.0  # a released worker leaves /proc/self/task once the OS has reaped it
+        while team_threads() - before and time.monotonic() < deadline:
+            time.sleep(0.01)
         result["released"] = len(team_threads() - before)
         parallel_op()
         result["again"] = len(team_threads() - before)
