@@ -166,6 +166,22 @@ class Variant:
             sample_replicas(lambda: handle.set_injected_load_cost.remote(None, cost.host_s, cost.disk_s),
                             self.args.replicas)
 
+    def engine_counters(self) -> dict[str, float]:
+        """Steps, rows stepped and engine-thread CPU seconds summed over the replicas so far
+        (``benchmarks/live/load_cost.py``): what a row's engine did, read around it."""
+        from ray import serve
+
+        from engine.request import ReplicaTarget
+
+        handle = serve.get_deployment_handle(self.deployment, app_name=self.app)
+        if self.name == "affinity":
+            directory = serve.get_deployment_handle("AdapterDirectory", app_name=self.app)
+            snaps = [handle.engine_counters.remote(ReplicaTarget(rid)).result()
+                     for rid in directory.view.remote().result()["replicas"]]
+        else:
+            snaps = list(sample_replicas(lambda: handle.engine_counters.remote(None), self.args.replicas).values())
+        return {key: sum(s[key] for s in snaps) for key in ("steps", "rows_stepped", "engine_cpu_s")}
+
     def ensure_clients(self, count: int) -> list:
         from testkit.clients import LoadClient
 
@@ -243,9 +259,11 @@ def measure_row(variant: Variant, meter, setting: Setting, cost: str, concurrenc
     clients = variant.ensure_clients(routers)
     decisions_before = [Counter(d) for d in ray.get([c.decisions.remote() for c in clients])]
     loads_before = variant.loads()
+    engine_before = variant.engine_counters()
     meter.start()
     result = run_clients(clients, requests, concurrency)
     cpu = meter.stop()
+    engine = {k: v - engine_before[k] for k, v in variant.engine_counters().items()}
     loads = variant.loads() - loads_before
     decisions = sum((Counter(d) - b for d, b in zip(ray.get([c.decisions.remote() for c in clients]),
                                                       decisions_before)), Counter())
@@ -265,6 +283,10 @@ def measure_row(variant: Variant, meter, setting: Setting, cost: str, concurrenc
         "directory_cpu_ms": per_request(cpu.get(f"{variant.app}/AdapterDirectory", 0.0)),
         "metrics_agent_cpu_ms": per_request(cpu.get("metrics_agent", 0.0)),
         "workers_cpu_ms": per_request(cpu.get(f"{variant.app}/{variant.deployment}", 0.0)),
+        # the workers' engine threads alone, and the mean batch of their steps (the simulator prices steps by them)
+        "engine_cpu_ms": per_request(engine["engine_cpu_s"]),
+        "rows_per_step": engine["rows_stepped"] / engine["steps"] if engine["steps"] else math.nan,
+        "steps_per_request": engine["steps"] / n,
         "per_replica": "/".join(str(c) for c in sorted(per_replica.values(), reverse=True)),
         # the busiest replica's share (%) of the outstanding requests, p90 over send instants: the closed loop's drift
         "busiest_pct": _percent(busiest_share(result["sent_at"], result["latencies"], result["replicas"])),
@@ -484,6 +506,7 @@ def main(argv=None) -> list[dict]:
                              VARIANTS.index(r["variant"])))
     columns = ["setting", "cost", "routers", "variant", "concurrency", "requests", "loads_per_1k", "p50_ms", "p99_ms",
                "req_per_s", "router_cpu_ms", "directory_cpu_ms", "metrics_agent_cpu_ms", "workers_cpu_ms",
+               "engine_cpu_ms", "rows_per_step",
                "per_replica", "busiest_pct", "spill", "waits", "router_p50_ms", "errors"]
     print()
     common.print_table(rows, columns, floatfmt=".1f",

@@ -102,6 +102,8 @@ class LoRAEngine(StepLoop, EngineReadAPI):
         self._grammar: Optional[GrammarCompiler] = None  # built at the first response_format request
         self._grammar_lock = threading.Lock()
         self.steps = 0
+        self.rows_stepped = 0         # rows fed to forwards, summed over steps (rows / steps: the mean batch)
+        self.engine_cpu_s = 0.0       # the engine thread's CPU seconds in steps and the pool changes between them
         self.cancelled = 0            # sequences dropped because their caller went away
         self.max_steps_after_cancel = 0  # the most steps any sequence ran after its cancel (the goal: <= 1)
         self.failed_steps_in_row = 0  # consecutive failed steps; MAX_FAILED_STEPS makes the replica unhealthy

@@ -80,6 +80,8 @@ class EngineReadAPI:
                 "running": len(self.scheduler.running),
                 "tokens_generated": self.tokens_generated,
                 "steps": self.steps,
+                "rows_stepped": self.rows_stepped,
+                "engine_cpu_s": round(self.engine_cpu_s, 6),
                 "cancelled": self.cancelled,
                 "max_steps_after_cancel": self.max_steps_after_cancel,
                 "adapters": self.adapters.names(),

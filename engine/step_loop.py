@@ -86,6 +86,7 @@ class StepLoop:
                 with self._step_lock:
                     self._run_boundary_work(work)
                 return
+            cpu = time.thread_time()
             try:
                 with self._step_lock:
                     self._run_boundary_work(work)
@@ -97,6 +98,8 @@ class StepLoop:
                 with self._lock:
                     for seq in list(self.scheduler.running):
                         self._finish(seq, exc)
+            finally:  # what a step costs the host, whatever its batch (benchmarks price steps by it)
+                self.engine_cpu_s += time.thread_time() - cpu
 
     def _step(self) -> None:
         with self._lock:
@@ -120,6 +123,7 @@ class StepLoop:
         started = time.perf_counter()
         logits = self.runner.forward(inputs)
         self.steps += 1
+        self.rows_stepped += len(inputs)
         planned = [seq for seq, _ in plan]
         prompt_tokens = sum(max(0, min(len(s.prompt_ids), x.start_pos + len(x.token_ids)) - x.start_pos)
                             for s, x in zip(planned, inputs))

@@ -190,3 +190,22 @@ def test_unregister_timeout_fails_in_flight_requests_clearly(engine, demo_assets
     worker.join(timeout=30)
     assert errors and "unregistered" in str(errors[0])
     assert not engine.pool.is_resident(uid) and engine.adapters.inflight(uid) == 0
+
+
+def test_stats_count_rows_per_step_and_the_engine_threads_cpu(engine, demo_assets):
+    """``rows_stepped / steps`` is the mean batch and ``engine_cpu_s`` the engine thread's CPU: what a benchmark
+    prices a live step by (``benchmarks.sim.live_check``)."""
+    before = engine.stats()
+    names = list(demo_assets.adapters)[:2]
+
+    async def four_at_once():
+        return await asyncio.gather(*(engine.generate(GenerateRequest(adapter=names[i % 2], prompt=f"row {i}",
+                                                                      max_tokens=8)) for i in range(4)))
+    results = run(four_at_once())
+    after = engine.stats()
+    steps = after["steps"] - before["steps"]
+    rows = after["rows_stepped"] - before["rows_stepped"]
+    assert steps >= 8  # every request decoded 8 tokens
+    assert rows >= sum(r.completion_tokens for r in results)  # one row per token sampled (and prefill chunks)
+    assert steps < rows <= 4 * steps  # the requests shared steps, never more than 4 at once
+    assert after["engine_cpu_s"] > before["engine_cpu_s"]

@@ -85,6 +85,10 @@ class LoadCostLoRAWorker(LoRAWorker.func_or_class):
         self.injected.cost = LoadCost(host_s, disk_s)
         return {"replica_id": self.replica_id}
 
+    def engine_counters(self, target: Optional[ReplicaTarget] = None) -> dict:
+        """``target`` first, as above: this replica's engine steps, rows fed and engine-thread CPU so far."""
+        return engine_counters(self.engine, self.replica_id)
+
 
 class LoadCostMultiplexedWorker(MultiplexedLoRAWorker.func_or_class):
     """The multiplexing baseline with injected load costs (same name, ``MultiplexedLoRAWorker``)."""
@@ -96,3 +100,14 @@ class LoadCostMultiplexedWorker(MultiplexedLoRAWorker.func_or_class):
     def set_injected_load_cost(self, target: Optional[ReplicaTarget], host_s: float, disk_s: float) -> dict:
         self.injected.cost = LoadCost(host_s, disk_s)
         return {"replica_id": self.replica_id}
+
+    def engine_counters(self, target: Optional[ReplicaTarget] = None) -> dict:
+        return engine_counters(self.engine, self.replica_id)
+
+
+def engine_counters(engine, replica_id: str) -> dict:
+    """What ``routing_live`` reads around a row: steps, rows stepped and the engine thread's CPU seconds (the
+    simulator's live check prices a live step by them)."""
+    stats = engine.stats()
+    return {"replica_id": replica_id, "steps": stats["steps"], "rows_stepped": stats["rows_stepped"],
+            "engine_cpu_s": stats["engine_cpu_s"]}

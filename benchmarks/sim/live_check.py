@@ -12,8 +12,9 @@ req/s differ by more than ``margin``, the simulation must order the pair the sam
 
 from __future__ import annotations
 
+import math
 import statistics
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -30,20 +31,54 @@ def _median(rows: Sequence[dict], key: str) -> float:
     return statistics.median(values) / 1000.0 if values else 0.0
 
 
+def _solo(live_rows: Sequence[dict], variant: Optional[str] = None) -> list[dict]:
+    """The one-router rows at concurrency 1 (all of a variant's one-router rows if it has none at 1)."""
+    rows = [r for r in live_rows if r["routers"] == 1 and (variant is None or r["variant"] == variant)]
+    return [r for r in rows if r["concurrency"] == 1] or rows
+
+
+def _engine_measured(row: dict) -> bool:
+    return bool(row.get("engine_cpu_ms")) and bool(row.get("steps_per_request")) and \
+        row.get("rows_per_step") is not None and not math.isnan(row["rows_per_step"])
+
+
+def step_scale(live_rows: Sequence[dict], step_base_s: float, step_per_seq_s: float) -> float:
+    """A live step's engine-thread CPU over the step this process measures at the same batch, the median over
+    the concurrency-1 rows (1.0 for a run that did not record its engines: the measured step as it is).
+
+    Why: ``measure_engine_steps`` times steps back to back in one quiet process; a worker's step runs between
+    other processes' work on shared cores (caches cold) and the run's rows show it costs more. Only the
+    concurrency-1 rows calibrate it; the other concurrencies are what the check then predicts."""
+    ratios = []
+    for r in _solo(live_rows):
+        if not _engine_measured(r):
+            continue
+        live_step_s = r["engine_cpu_ms"] / 1000.0 / r["steps_per_request"]
+        ratios.append(live_step_s / (step_base_s + step_per_seq_s * r["rows_per_step"]))
+    return statistics.median(ratios) if ratios else 1.0
+
+
 def calibrate(live_rows: Sequence[dict], step_base_s: float, step_per_seq_s: float,
               mean_tokens: float) -> dict[str, ControlPlaneCpu]:
-    """Each variant's control-plane CPU seconds per request, from its live rows (one router)."""
+    """Each variant's control-plane CPU seconds per request, from its live rows (one router).
+
+    The workers' per-request work besides engine steps (``replica_s``) comes from the concurrency-1 rows: their
+    CPU less their engine threads' where the run recorded them; else less ``mean_tokens`` steps at batch 1 as
+    measured here (which charged every step's fixed part to one request: at a full batch it is shared)."""
     out = {}
     for variant in VARIANTS:
         rows = [r for r in live_rows if r["variant"] == variant and r["routers"] == 1]
         if not rows:
             continue
-        solo = [r for r in rows if r["concurrency"] == 1] or rows
-        engine_s = mean_tokens * (step_base_s + step_per_seq_s)  # one request's engine work at batch 1
+        solo = _solo(live_rows, variant)
+        if all(_engine_measured(r) for r in solo):
+            replica_s = statistics.median(r["workers_cpu_ms"] - r["engine_cpu_ms"] for r in solo) / 1000.0
+        else:
+            replica_s = _median(solo, "workers_cpu_ms") - mean_tokens * (step_base_s + step_per_seq_s)
         out[variant] = ControlPlaneCpu(router_s=_median(rows, "router_cpu_ms"),
                                        directory_s=_median(rows, "directory_cpu_ms"),
                                        metrics_agent_s=_median(rows, "metrics_agent_cpu_ms"),
-                                       replica_s=max(0.0, _median(solo, "workers_cpu_ms") - engine_s))
+                                       replica_s=max(0.0, replica_s))
     return out
 
 
@@ -59,6 +94,8 @@ def simulate_live(live: dict, step_base_s: float, step_per_seq_s: float, seeds: 
     args = type("Args", (), {"requests": meta.get("requests"), "quick": meta.get("quick", False)})()
     mean_tokens = 12.0  # routing_live draws 8-16 new tokens
     control = calibrate(rows, step_base_s, step_per_seq_s, mean_tokens)
+    scale = step_scale(rows, step_base_s, step_per_seq_s)
+    step_base_s, step_per_seq_s = step_base_s * scale, step_per_seq_s * scale
     costs = meta["costs"]
     out = []
     for (setting_name, cost, c) in sorted({(r["setting"], r["cost"], r["concurrency"]) for r in rows}):
@@ -83,7 +120,8 @@ def simulate_live(live: dict, step_base_s: float, step_per_seq_s: float, seeds: 
                         "sim_req_per_s": mean("req_per_s"), "sim_p50_ms": mean("p50_ms"), "sim_p99_ms": mean("p99_ms"),
                         "sim_loads_per_1k": 1000.0 * mean("loads") / (len(requests) + len(warmup)),
                         "engine_share": mean("engine_share"), "sim_workers_cpu_ms": mean("workers_cpu_ms"),
-                        "sim_refusals_per_request": mean("refusals_per_request"), "sim_idle_share": mean("idle_share")})
+                        "sim_refusals_per_request": mean("refusals_per_request"), "sim_idle_share": mean("idle_share"),
+                        "step_scale": scale})
     live_by = {(r["setting"], r["cost"], r["concurrency"], r["variant"]): r for r in rows}
     for r in out:
         lr = live_by[(r["setting"], r["cost"], r["concurrency"], r["variant"])]
