@@ -3,15 +3,20 @@
 Two backends read a step's ``StepLayout`` (``engine.attention_layout``):
 
 - ``TorchPagedAttention`` (CPU, and CUDA without FlashInfer): decode rows gather their
-  K blocks with one ``index_select`` per layer (as rows of a block's values,
-  ``PagedKVCache.gather_rows``, the row ids computed once per step) and take their scores with one
-  batched matmul (batch = KV head x request, the query heads sharing a KV head as its rows:
-  grouped-query attention without repeating K/V) and an additive mask. On the CPU the
-  probabilities then weight V where it lies in the cache, as one ``F.embedding_bag`` (a bag per
-  query: sum of its positions' V rows times their probabilities), instead of gathering V and a
-  second batched matmul: at batch 32 over 65 cached tokens the V gather wrote 5 MB per layer and
-  the matmul read it back (in an A/B on the engine thread the step went 67.4 -> 64.2 ms, logits
-  within 2e-6). On CUDA V is gathered and multiplied as K is. A prefill
+  K with one ``index_select`` per layer, position by position up to the group's longest row
+  (``PagedKVCache.position_rows``, the row ids computed once per step; the gather's buffer reused by
+  the step's layers), and take their scores with one batched matmul (batch = request x KV head, the
+  query heads sharing a KV head as its rows: grouped-query attention without repeating K/V; a row's
+  heads already are its KV heads' groups, so neither the queries nor the output are transposed) and
+  an additive mask. On the CPU the probabilities then weight V where it lies in the cache, as one
+  ``F.embedding_bag`` (a bag per query: sum of its positions' V rows times their probabilities, none
+  past the row's length), instead of gathering V and a second batched matmul: at batch 32 over 65
+  cached tokens the V gather wrote 5 MB per layer and the matmul read it back (in an A/B on the
+  engine thread the step went 67.4 -> 64.2 ms, logits within 2e-6). Gathering whole blocks read the
+  unwritten rest of each row's last block (at 65 tokens in blocks of 16, 80 positions for 65) and
+  transposed the queries and output (KV-head-major): positions, request-major, took the benchmark's
+  decode step from 35.6 to 34.4 ms (in-process A/B, 30 alternating repeats; logits within 2.6e-6: the
+  softmax sums a row of another width). On CUDA V is gathered and multiplied as K is. A prefill
   from position 0 attends to its own fresh K/V (no gather); one that continues a cached
   prefix gathers its blocks. Prefills use SDPA.
 - ``FlashInferPagedAttention`` (``engine.attention_flashinfer``; CUDA, fp16/bf16, when
@@ -44,6 +49,8 @@ class TorchPagedAttention:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.group = num_heads // num_kv_heads
+        # decode rows weight V where it lies in the cache (``F.embedding_bag``) on the CPU; on CUDA they gather it
+        self.values_in_place = cache.k.device.type == "cpu"
 
     def begin_step(self, layout: StepLayout, windows: Sequence[Optional[int]], scale: float) -> None:
         """Nothing to plan: masks are built lazily on the layout and shared by the layers."""
@@ -86,19 +93,19 @@ class TorchPagedAttention:
         """Attention of one group of decode rows (``qd``: their queries, [B, heads, head_dim]): [B, heads * head_dim]."""
         KV, G, hd = self.num_kv_heads, self.group, self.head_dim
         B = dec.blocks.shape[0]
-        rows = dec.rows(self.cache)
-        keys = self.cache.gather_keys(layer, rows).view(KV * B, dec.span, hd)      # [KV * B, span, hd]
-        qd = qd.reshape(B, KV, G, hd).transpose(0, 1).reshape(KV * B, G, hd)
+        keys = dec.gather(self.cache.key_positions(layer), self.cache)             # [B * KV, span, hd]
+        qd = qd.reshape(B * KV, G, hd)                                             # a row's heads: its KV groups
         scores = torch.baddbmm(dec.bias(window, KV, qd.dtype), qd, keys.transpose(1, 2), alpha=scale)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(qd.dtype)
-        if qd.device.type == "cpu":  # V read in place: no gather (``value_bags``)
-            ids, offsets = dec.value_bags(self.cache, G)
+        if self.values_in_place:  # V read in place: no gather (``value_bags``)
+            ids, offsets, select = dec.value_bags(self.cache, G)
+            weights = probs.reshape(-1) if select is None else probs.reshape(-1).index_select(0, select)
             out = F.embedding_bag(ids, self.cache.value_positions(layer), offsets, mode="sum",
-                                  per_sample_weights=probs.reshape(-1))
+                                  per_sample_weights=weights)
         else:
-            values = self.cache.gather_values(layer, rows).view(KV * B, dec.span, hd)
+            values = dec.gather(self.cache.value_positions(layer), self.cache)  # the keys' buffer: scored already
             out = torch.bmm(probs, values)
-        return out.view(KV, B, G, hd).transpose(0, 1).reshape(B, self.num_heads * hd)
+        return out.view(B, self.num_heads * hd)
 
 
 FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)

@@ -111,7 +111,12 @@ def _stage(values: list[int], device: torch.device) -> torch.Tensor:
 
 
 class _DecodeGather:
-    """Decode rows (one new token each): padded block ids and an additive key mask per window size."""
+    """Decode rows (one new token each): the cache rows of their positions up to the longest row (``span``), and an
+    additive key mask per window size.
+
+    Row-major (row, KV head, ...) throughout, so a row's queries ``[heads, head_dim]`` already are its KV heads'
+    groups (``[kv_heads, group, head_dim]``: query head i reads KV head i // group) and the output is its heads in
+    order: no transpose of the queries or the output (two copies per layer when this was KV-head-major)."""
 
     @staticmethod
     def host_rows(layout: StepLayout, seqs: list[int]) -> list[list[int]]:
@@ -128,29 +133,56 @@ class _DecodeGather:
         blocks, self.tokens, self.lengths = staged
         self.all_rows = False  # the rows are the step's every token, in order (``StepLayout`` sets it)
         self.blocks = blocks.view(len(seqs), -1)
-        self.span = self.blocks.shape[1] * layout.block_size
+        self.host_lengths = [layout.kv_lens[i] for i in seqs]
+        # the longest row: positions past a row's length (its last block's rest, its padding blocks: the row's own
+        # blocks, so finite) are masked
+        self.span = max(self.host_lengths)
         self._masks: dict[Optional[int], torch.Tensor] = {}
         self._biases: dict[tuple, torch.Tensor] = {}
-        self._rows: Optional[tuple[object, torch.Tensor]] = None  # (the cache they index, the row ids)
-        self._bags: Optional[tuple] = None  # (the cache, group, (ids, offsets)) for ``value_bags``
+        self._keys: Optional[tuple] = None  # (the cache, the key row ids, the gather's buffer or None)
+        self._bags: Optional[tuple] = None  # (the cache, group, (ids, offsets, weights' rows)) for ``value_bags``
 
     def rows(self, cache) -> torch.Tensor:
-        """``cache.block_rows`` of the padded blocks, computed on first use and shared by the step's layers."""
-        if self._rows is None or self._rows[0] is not cache:
-            self._rows = (cache, cache.block_rows(self.blocks.view(-1)))
-        return self._rows[1]
+        """``cache.position_rows`` of every row's positions up to ``span``, flat ``[B * kv_heads * span]``; computed on
+        first use and shared by the step's layers."""
+        if self._keys is None or self._keys[0] is not cache:
+            rows = cache.position_rows(self.blocks)[:, :, :self.span].reshape(-1)   # [B * kv_heads * span]
+            self._keys = (cache, rows, None)
+        return self._keys[1]
 
-    def value_bags(self, cache, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """For ``F.embedding_bag`` over ``cache.value_positions``: every (KV head, row, query of the head's group)
-        is one bag of its ``span`` padded positions (ids, then bag offsets), KV-head-major as the scores. Computed
-        on first use and shared by the step's layers."""
+    def gather(self, positions: torch.Tensor, cache) -> torch.Tensor:
+        """``positions``' rows (``cache.key_positions``/``value_positions`` of a layer) of every row, KV head and
+        position up to ``span``: ``[B * kv_heads, span, head_dim]``. The layers of a step reuse one buffer: a fresh
+        one per layer was a new allocation (page faults once it passes malloc's mmap threshold, at long contexts)."""
+        rows = self.rows(cache)
+        buffer = self._keys[2]
+        if buffer is None or buffer.dtype != positions.dtype:
+            buffer = positions.new_empty(rows.numel(), positions.shape[1])
+            self._keys = (cache, rows, buffer)
+        torch.index_select(positions, 0, rows, out=buffer)
+        return buffer.view(-1, self.span, positions.shape[1])
+
+    def value_bags(self, cache, group: int) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """For ``F.embedding_bag`` over ``cache.value_positions``: every (row, KV head, query of the head's group) is
+        one bag of the row's positions up to its length, none of the padding (ids, bag offsets, and where the rows'
+        lengths differ the flat index of each id's probability in the ``[B * kv_heads, group, span]`` scores: None
+        where they are all ``span`` long). Computed on first use and shared by the step's layers."""
         if self._bags is None or self._bags[0] is not cache or self._bags[1] != group:
-            bs = cache.block_size
-            rows = self.rows(cache).view(-1, self.blocks.shape[1], 1)           # [kv_heads * B, blocks, 1]
-            positions = (rows * bs + torch.arange(bs, device=rows.device)).view(rows.shape[0], 1, self.span)
-            ids = positions.expand(rows.shape[0], group, self.span).reshape(-1)
-            offsets = torch.arange(0, ids.numel(), self.span, device=rows.device)
-            self._bags = (cache, group, (ids, offsets))
+            B = self.blocks.shape[0]
+            rows = self.rows(cache).view(B, -1, 1, self.span)               # [B, kv_heads, 1, span]
+            ids = rows.expand(B, rows.shape[1], group, self.span)
+            bags = B * rows.shape[1] * group
+            if min(self.host_lengths) == self.span:
+                select = None
+                ids = ids.reshape(-1)
+                offsets = torch.arange(0, ids.numel(), self.span, device=rows.device)
+            else:
+                valid = self.mask(None)[:, None, None, :].expand_as(ids)
+                select = valid.reshape(-1).nonzero().view(-1)
+                ids = ids.reshape(-1).index_select(0, select)
+                counts = self.lengths.repeat_interleave(bags // B)
+                offsets = torch.cumsum(counts, 0) - counts
+            self._bags = (cache, group, (ids, offsets, select))
         return self._bags[2]
 
     def mask(self, window: Optional[int]) -> torch.Tensor:
@@ -165,12 +197,12 @@ class _DecodeGather:
         return self._masks[window]
 
     def bias(self, window: Optional[int], kv_heads: int, dtype: torch.dtype) -> torch.Tensor:
-        """[kv_heads * B, 1, span]: 0 where a key is visible, -inf where not (KV-head-major, as the scores)."""
+        """[B * kv_heads, 1, span]: 0 where a key is visible, -inf where not (row-major, as the scores)."""
         key = (window, kv_heads, dtype)
         if key not in self._biases:
             zero = torch.zeros((), dtype=dtype, device=self.lengths.device)
             bias = torch.where(self.mask(window), zero, float("-inf"))
             B = bias.shape[0]
-            self._biases[key] = bias[None, :, None, :].expand(kv_heads, B, 1, self.span).reshape(kv_heads * B, 1,
+            self._biases[key] = bias[:, None, None, :].expand(B, kv_heads, 1, self.span).reshape(B * kv_heads, 1,
                                                                                                   self.span)
         return self._biases[key]

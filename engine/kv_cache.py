@@ -10,7 +10,7 @@ requests no longer pay for ``max_model_len``. Two layouts, one per attention bac
 
 Either is gathered as rows of ``block_size * head_dim`` values (``block_rows``, ``gather_rows``):
 a step's blocks come out ``[kv_heads, tokens, head_dim]``, the layout the torch path's batched
-matmuls take, with no transpose copy.
+matmuls take, with no transpose copy; decode rows read it position by position (``position_rows``).
 """
 
 from __future__ import annotations
@@ -145,6 +145,24 @@ class PagedKVCache:
     def _gather(self, cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         shape = (self.kv_heads, rows.numel() // self.kv_heads * self.block_size, self.head_dim)
         return cache.view(-1, self.block_size * self.head_dim).index_select(0, rows).view(shape)
+
+    def position_rows(self, blocks: torch.Tensor) -> torch.Tensor:
+        """For ``blocks`` ``[rows, n]`` (each row's block ids), ``[rows, kv_heads, n * block_size]``: the row of
+        ``key_positions``/``value_positions`` holding each (row, KV head, position), in either layout.
+
+        Why positions, not blocks (``block_rows``): a decode step gathers K only up to its longest row and reads V
+        only up to each row's length (``attention_layout``), not the unwritten rest of each last block."""
+        heads = torch.arange(self.kv_heads, device=blocks.device)[None, :, None]
+        if self.layout == "page_major":  # [blocks, kv_heads, block_size, head_dim]
+            rows = blocks[:, None, :] * self.kv_heads + heads
+        else:  # [kv_heads, blocks, block_size, head_dim]
+            rows = heads * self.k.shape[2] + blocks[:, None, :]
+        offsets = torch.arange(self.block_size, device=blocks.device)
+        return (rows[..., None] * self.block_size + offsets).flatten(2)
+
+    def key_positions(self, layer: int) -> torch.Tensor:
+        """K of ``layer`` as one row per (KV head, block, position): ``[-1, head_dim]`` (``position_rows``)."""
+        return self.k[layer].view(-1, self.head_dim)
 
     def value_positions(self, layer: int) -> torch.Tensor:
         """V of ``layer`` as one row per (KV head, block, position): ``[-1, head_dim]``, in either layout row

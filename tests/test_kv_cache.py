@@ -167,6 +167,41 @@ def test_paged_attention_matches_dense_attention(window, layout):
         assert (out[off:off + n] - expected).abs().max().item() < 1e-5, shapes[i]
 
 
+@pytest.mark.parametrize("layout", ["head_major", "page_major"])
+@pytest.mark.parametrize("lengths", [[13, 13, 13], [13, 6, 9]])
+@pytest.mark.parametrize("consecutive", [True, False])
+@pytest.mark.parametrize("values_in_place", [True, False])
+def test_decode_rows_read_only_their_positions(layout, lengths, consecutive, values_in_place):
+    """A decode-only step (one gather group) over rows of equal or different lengths, on blocks handed out in
+    order or scattered, V weighted in place (``embedding_bag``) or gathered: equal to dense attention, and a
+    second layer of the step (reusing the gather's buffer) too."""
+    torch.manual_seed(1)
+    H, KV, hd, bs, layers = 6, 3, 8, 4, 2
+    cache = PagedKVCache(layers, 24, bs, KV, hd, device=torch.device("cpu"), dtype=torch.float32, layout=layout)
+    free = list(range(24))
+    if not consecutive:
+        random.Random(1).shuffle(free)
+    tables = [[free.pop(0) for _ in range(-(-n // bs))] for n in lengths]
+    keys = [[torch.randn(n, KV, hd) for n in lengths] for _ in range(layers)]
+    values = [[torch.randn(n, KV, hd) for n in lengths] for _ in range(layers)]
+    for li in range(layers):
+        for table, k, v in zip(tables, keys[li], values[li]):
+            pre = StepLayout([table], [0], [k.shape[0]], bs, torch.device("cpu"))
+            cache.write(li, pre.write_blocks, pre.write_offsets, k, v)
+    step = StepLayout(tables, [n - 1 for n in lengths], [1] * len(lengths), bs, torch.device("cpu"))
+    assert len(step.decode_groups) == 1 and step.decode.span == max(lengths)
+    attention = TorchPagedAttention(cache, H, KV, hd)
+    attention.values_in_place = values_in_place
+    attention.begin_step(step, [None], 0.3)
+    for li in range(layers):
+        q = torch.randn(len(lengths), H, hd)
+        out = attention(li, q, None, None, step, None, 0.3)
+        for i, n in enumerate(lengths):
+            expected = _reference_attention(q[i:i + 1], keys[li][i], values[li][i], torch.tensor([n - 1]), None, 0.3,
+                                            H // KV)
+            assert (out[i:i + 1] - expected).abs().max().item() < 1e-5, (li, i)
+
+
 def test_backend_choice_and_the_layout_it_reads():
     cpu = torch.device("cpu")
     assert choose_backend(cpu, torch.float32) == "torch"
