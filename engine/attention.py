@@ -16,7 +16,13 @@ Two backends read a step's ``StepLayout`` (``engine.attention_layout``):
   unwritten rest of each row's last block (at 65 tokens in blocks of 16, 80 positions for 65) and
   transposed the queries and output (KV-head-major): positions, request-major, took the benchmark's
   decode step from 35.6 to 34.4 ms (in-process A/B, 30 alternating repeats; logits within 2.6e-6: the
-  softmax sums a row of another width). On CUDA V is gathered and multiplied as K is. A prefill
+  softmax sums a row of another width). Where its start-up check passes (``sparse_scores``, the CPU in
+  float32 by default) the scores skip the K gather: one ``torch.sparse.sampled_addmm`` takes each
+  (query, key position) dot product from the cache in place, over a CSR pattern of the step's positions
+  whose values are the mask (``_DecodeGather.score_pattern``). In-process A/B on the engine thread
+  (batch 32 over 8 adapters, 30 alternating repeats, 2 cores, a busy machine): step over gathered-K step
+  0.95-0.98 at 64 cached tokens, 0.86 at 500; logits within 3e-6. On CUDA V is gathered and multiplied
+  as K is. A prefill
   from position 0 attends to its own fresh K/V (no gather); one that continues a cached
   prefix gathers its blocks. Prefills use SDPA.
 - ``FlashInferPagedAttention`` (``engine.attention_flashinfer``; CUDA, fp16/bf16, when
@@ -43,8 +49,11 @@ log = logging.getLogger(__name__)
 class TorchPagedAttention:
     name = "torch"
 
-    def __init__(self, cache, num_heads: int, num_kv_heads: int, head_dim: int):
+    def __init__(self, cache, num_heads: int, num_kv_heads: int, head_dim: int, sparse_scores: bool = False):
+        """``sparse_scores``: decode rows' scores as one ``torch.sparse.sampled_addmm`` (``sparse_scores_unsupported``;
+        the engine's start-up check decides, ``engine.check_attention``)."""
         self.cache = cache
+        self.sparse_scores = sparse_scores
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -93,9 +102,14 @@ class TorchPagedAttention:
         """Attention of one group of decode rows (``qd``: their queries, [B, heads, head_dim]): [B, heads * head_dim]."""
         KV, G, hd = self.num_kv_heads, self.group, self.head_dim
         B = dec.blocks.shape[0]
-        keys = dec.gather(self.cache.key_positions(layer), self.cache)             # [B * KV, span, hd]
         qd = qd.reshape(B * KV, G, hd)                                             # a row's heads: its KV groups
-        scores = torch.baddbmm(dec.bias(window, KV, qd.dtype), qd, keys.transpose(1, 2), alpha=scale)
+        if self.sparse_scores:  # K read in place: no gather; the mask is the pattern's values
+            pattern = dec.score_pattern(self.cache, window, G, qd.dtype)
+            scores = torch.sparse.sampled_addmm(pattern, qd.view(-1, hd), self.cache.key_positions(layer).t(),
+                                                alpha=scale).values().view(B * KV, G, dec.span)
+        else:
+            keys = dec.gather(self.cache.key_positions(layer), self.cache)         # [B * KV, span, hd]
+            scores = torch.baddbmm(dec.bias(window, KV, qd.dtype), qd, keys.transpose(1, 2), alpha=scale)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(qd.dtype)
         if self.values_in_place:  # V read in place: no gather (``value_bags``)
             ids, offsets, select = dec.value_bags(self.cache, G)
@@ -106,6 +120,15 @@ class TorchPagedAttention:
             values = dec.gather(self.cache.value_positions(layer), self.cache)  # the keys' buffer: scored already
             out = torch.bmm(probs, values)
         return out.view(B, self.num_heads * hd)
+
+
+def sparse_scores_unsupported(device: torch.device, dtype: torch.dtype) -> Optional[str]:
+    """None where ``auto`` tries ``sampled_addmm`` scores (the CPU in float32, where it was measured), else why not."""
+    if device.type != "cpu":
+        return "sampled_addmm scores are measured on the CPU only: the device gathers K"
+    if dtype != torch.float32:
+        return f"sampled_addmm scores are measured in float32 only (its CPU kernel refuses bfloat16): this engine is {dtype}"
+    return None
 
 
 FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
@@ -150,8 +173,9 @@ def choose_backend(device: torch.device, dtype: torch.dtype, requested: str = "a
     return "flashinfer"
 
 
-def make_attention(cache, num_heads: int, num_kv_heads: int, head_dim: int):
-    """The backend that reads ``cache``'s layout (``KV_LAYOUT``)."""
+def make_attention(cache, num_heads: int, num_kv_heads: int, head_dim: int, sparse_scores: bool = False):
+    """The backend that reads ``cache``'s layout (``KV_LAYOUT``); ``sparse_scores``: the torch backend's decode
+    scores as ``sampled_addmm``."""
     if cache.layout == KV_LAYOUT["flashinfer"]:
         return FlashInferPagedAttention(cache, num_heads, num_kv_heads, head_dim)
-    return TorchPagedAttention(cache, num_heads, num_kv_heads, head_dim)
+    return TorchPagedAttention(cache, num_heads, num_kv_heads, head_dim, sparse_scores)

@@ -141,6 +141,7 @@ class _DecodeGather:
         self._biases: dict[tuple, torch.Tensor] = {}
         self._keys: Optional[tuple] = None  # (the cache, the key row ids, the gather's buffer or None)
         self._bags: Optional[tuple] = None  # (the cache, group, (ids, offsets, weights' rows)) for ``value_bags``
+        self._patterns: dict[tuple, torch.Tensor] = {}  # (window, group, dtype) -> ``score_pattern``
 
     def rows(self, cache) -> torch.Tensor:
         """``cache.position_rows`` of every row's positions up to ``span``, flat ``[B * kv_heads * span]``; computed on
@@ -184,6 +185,27 @@ class _DecodeGather:
                 offsets = torch.cumsum(counts, 0) - counts
             self._bags = (cache, group, (ids, offsets, select))
         return self._bags[2]
+
+    def score_pattern(self, cache, window: Optional[int], group: int, dtype: torch.dtype) -> torch.Tensor:
+        """For ``torch.sparse.sampled_addmm`` against ``cache.key_positions(layer).t()``: a CSR matrix with a row per
+        (row, KV head, query of the head's group) holding its ``span`` key positions (``rows``) and the mask's bias
+        as values, so ``sampled_addmm(pattern, queries, keys.t(), alpha=scale)`` is the masked scores with no copy of K.
+        Computed on first use and shared by the step's layers (one cache: the layers' K have the same shape).
+
+        Why: the gather wrote every key once more and the batched matmul read it back (at batch 32 over 65 cached
+        tokens, 4.3 MB per layer each way); ``sampled_addmm`` takes each dot product from the cache in place."""
+        key = (window, group, dtype)
+        if key not in self._patterns:
+            B = self.blocks.shape[0]
+            kv_heads = self.rows(cache).numel() // (B * self.span)
+            n = B * kv_heads * group
+            columns = self.rows(cache).view(B * kv_heads, 1, self.span).expand(-1, group, -1).reshape(-1)
+            values = self.bias(window, kv_heads, dtype).expand(-1, group, -1).reshape(-1)
+            crow = torch.arange(0, n * self.span + 1, self.span, device=columns.device)
+            positions = cache.k.shape[1:-1].numel()
+            self._patterns[key] = torch.sparse_csr_tensor(crow, columns, values, size=(n, positions),
+                                                          check_invariants=False)
+        return self._patterns[key]
 
     def mask(self, window: Optional[int]) -> torch.Tensor:
         """[B, span] booleans: key position < length (and within the window)."""

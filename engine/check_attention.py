@@ -1,4 +1,5 @@
-"""The start-up check of FlashInfer's paged attention: one tiny step against ``TorchPagedAttention``.
+"""The start-up checks of attention's fast paths: FlashInfer's paged attention (one tiny step against
+``TorchPagedAttention``) and the torch backend's ``sampled_addmm`` decode scores (``sparse_scores_error``).
 
 The step has what serving has: a prefill from position 0, a chunk that continues a cached
 prefix, and a decode row, over block tables that are not in order, for each sliding-window
@@ -57,4 +58,37 @@ def flashinfer_error(device: torch.device, dtype: torch.dtype, num_heads: int, k
         expected = reference(0, q, k, v, layout, window, scale)
         got = fast(0, q, k, v, layout, window, scale)
         worst = max(worst, relative_error(got, expected))
+    return worst
+
+
+# cached tokens of the decode rows ``sparse_scores_error`` checks: different lengths (padding), one a block's multiple
+DECODE_LENGTHS = (37, 16, 29, 5)
+
+
+def sparse_scores_error(device: torch.device, dtype: torch.dtype, num_heads: int, kv_heads: int, head_dim: int,
+                        windows: Sequence[Optional[int]], scale: float, seed: int) -> float:
+    """The largest relative difference of decode attention with ``sampled_addmm`` scores from the gathered keys'
+    batched matmul, over decode rows of different lengths on tables out of order, for every window."""
+    g = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-n // BLOCK_SIZE) for n in DECODE_LENGTHS]
+    order = torch.randperm(sum(blocks_per_seq), generator=g).tolist()
+    tables, at = [], 0
+    for nb in blocks_per_seq:
+        tables.append(order[at:at + nb])
+        at += nb
+    cache = PagedKVCache(1, len(order), BLOCK_SIZE, kv_heads, head_dim, device=device, dtype=dtype,
+                         prefix_caching=False, layout=KV_LAYOUT["torch"])
+    lengths = list(DECODE_LENGTHS)
+    history = StepLayout(tables, [0] * len(lengths), lengths, BLOCK_SIZE, device)
+    k = torch.randn(sum(lengths), kv_heads, head_dim, generator=g).to(device, dtype)
+    v = torch.randn(sum(lengths), kv_heads, head_dim, generator=g).to(device, dtype)
+    cache.write(0, history.write_blocks, history.write_offsets, k, v)
+    layout = StepLayout(tables, [n - 1 for n in lengths], [1] * len(lengths), BLOCK_SIZE, device)
+    q = torch.randn(len(lengths), num_heads, head_dim, generator=g).to(device, dtype)
+    reference = TorchPagedAttention(cache, num_heads, kv_heads, head_dim)
+    fast = TorchPagedAttention(cache, num_heads, kv_heads, head_dim, sparse_scores=True)
+    worst = 0.0
+    for window in sorted(set(windows), key=lambda w: -1 if w is None else w):
+        expected = reference(0, q, None, None, layout, window, scale)
+        worst = max(worst, relative_error(fast(0, q, None, None, layout, window, scale), expected))
     return worst

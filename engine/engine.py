@@ -87,7 +87,8 @@ class LoRAEngine(StepLoop, EngineReadAPI):
         self.cache = build_kv_cache(model, config, self.device, self.dtype, max_model_len, reserve_bytes=reserve,
                                     backend=backend)
         self.max_model_len = fit_max_model_len(self.cache, max_model_len, configured=config.max_model_len is not None)
-        self.runner = ModelRunner(model, self.pool, self.cache, self.context, lora_kernels=kernels)
+        self.runner = ModelRunner(model, self.pool, self.cache, self.context, lora_kernels=kernels,
+                                  sparse_scores=self.fast_paths["sparse_scores"].fast)
         self.blocks = BlockManager(self.cache)
         self.scheduler: Scheduler[Sequence] = Scheduler(
             self.pool.validate_lora_batch, lambda uid: uid in self.pool.pinned,

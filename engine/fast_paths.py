@@ -25,7 +25,7 @@ _logged: set[str] = set()
 class FastPath:
     """One decision: the path ``name`` runs on ``used`` (``intended`` is what the settings and device asked for)."""
 
-    name: str                       # "attention" | "lora_kernels" | "cpu_gemm"
+    name: str                       # "attention" | "lora_kernels" | "cpu_gemm" | "sparse_scores"
     intended: str                   # the fast path's name, or "torch" when none was wanted
     used: str                       # what serves: the fast path's name or "torch"
     reason: str = ""                # why the torch path serves ("" when the fast path does)
@@ -76,11 +76,11 @@ def relative_error(got, expected) -> float:
 
 def choose_fast_paths(model, pool, device, dtype, tuning) -> dict[str, FastPath]:
     """The checked decision for each fast path (``attention``: flashinfer or torch; ``lora_kernels``: triton or
-    torch; ``cpu_gemm``: onednn or torch), in the order the engine needs them (attention decides the KV cache's
+    torch; ``cpu_gemm``: onednn or torch; ``sparse_scores``: sampled_addmm or torch), in the order the engine needs them (attention decides the KV cache's
     layout)."""
     from . import cpu_gemm
-    from .attention import FLASHINFER_DTYPES, FLASHINFER_HEAD_DIMS
-    from .check_attention import flashinfer_error
+    from .attention import FLASHINFER_DTYPES, FLASHINFER_HEAD_DIMS, sparse_scores_unsupported
+    from .check_attention import flashinfer_error, sparse_scores_error
     from .check_lora import lora_kernel_error
     from .model_runner import window_of
 
@@ -104,4 +104,10 @@ def choose_fast_paths(model, pool, device, dtype, tuning) -> dict[str, FastPath]
     gemm = decide("cpu_gemm", "onednn", tuning.cpu_gemm if device.type == "cpu" else "auto",
                   cpu_gemm.unsupported(device, dtype),
                   lambda: cpu_gemm.gemm_error(dtype, tuning.check_seed), tolerance)
-    return {"attention": attention, "lora_kernels": lora, "cpu_gemm": gemm}
+    if attention.fast:  # FlashInfer reads the cache itself
+        scores = FastPath("sparse_scores", "torch", "torch", "FlashInfer serves attention")
+    else:
+        scores = decide("sparse_scores", "sampled_addmm", tuning.sparse_scores, sparse_scores_unsupported(device, dtype),
+                        lambda: sparse_scores_error(device, dtype, heads, kv_heads, head_dim, windows, attn.scaling,
+                                                    tuning.check_seed), tolerance)
+    return {"attention": attention, "lora_kernels": lora, "cpu_gemm": gemm, "sparse_scores": scores}

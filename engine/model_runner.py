@@ -57,9 +57,10 @@ def window_of(attn: nn.Module, config) -> Optional[int]:
 
 class ModelRunner:
     def __init__(self, model: nn.Module, pool: LoRAMemoryPool, kv_cache: PagedKVCache, context: LoRABatchContext,
-                 lora_kernels: Optional[bool] = None):
+                 lora_kernels: Optional[bool] = None, sparse_scores: bool = False):
         """``lora_kernels``: run multi-adapter steps' LoRA on the Triton kernels (the engine passes its start-up
-        check's decision, ``engine.fast_paths``); None: on CUDA when Triton imports."""
+        check's decision, ``engine.fast_paths``); None: on CUDA when Triton imports. ``sparse_scores``: the torch
+        attention's decode scores as ``sampled_addmm`` (its start-up check's decision)."""
         self.model = model
         self.decoder = model.model
         self.config = model.config
@@ -73,7 +74,7 @@ class ModelRunner:
         self.scaling = attn0.scaling
         self.windows = [window_of(layer.self_attn, self.config) for layer in self.decoder.layers]
         self.device = next(model.parameters()).device
-        self.attention = make_attention(kv_cache, self.num_heads, self.num_kv_heads, self.head_dim)
+        self.attention = make_attention(kv_cache, self.num_heads, self.num_kv_heads, self.head_dim, sparse_scores)
         # The segmented Triton LoRA kernels (two launches per projection group whatever the number of adapters)
         # where the start-up check passed; else the torch segment loop
         if lora_kernels is None:

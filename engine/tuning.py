@@ -27,6 +27,9 @@ class EngineTuning:
     attention: str = "auto"             # FlashInfer paged attention (CUDA, fp16/bf16) vs torch
     lora_kernels: str = "auto"          # the segmented Triton LoRA kernels vs the torch segment loop
     cpu_gemm: str = "auto"              # the base projections through oneDNN's linear vs F.linear (CPU, float32)
+    # decode attention's scores as one sampled_addmm that reads K where it lies in the cache vs gathered K and a
+    # batched matmul (CPU, float32; ``engine.attention``)
+    sparse_scores: str = "auto"
     lora_target_programs: int = 264     # programs (CTAs) split-K shrink aims for per launch: ~2 per SM of an H100/H200
     # largest |fast - torch| allowed in the start-up check, as a fraction of the largest |torch| output, per dtype
     check_tolerance: dict[str, float] = field(default_factory=_default_tolerances)
@@ -36,7 +39,7 @@ class EngineTuning:
     free_caller_openmp_teams: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("attention", "lora_kernels", "cpu_gemm"):
+        for name in ("attention", "lora_kernels", "cpu_gemm", "sparse_scores"):
             if getattr(self, name) not in FAST_PATH_CHOICES:
                 raise ValueError(f"{name} must be one of {FAST_PATH_CHOICES} (got {getattr(self, name)!r})")
         if self.lora_target_programs < 1:

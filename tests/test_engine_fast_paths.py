@@ -44,10 +44,11 @@ def serve_two_adapters(engine: LoRAEngine, demo_assets) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def torch_tokens(demo_assets) -> list[list[int]]:
-    engine = build(demo_assets, attention="torch", lora_kernels="torch", cpu_gemm="torch")
+    engine = build(demo_assets, attention="torch", lora_kernels="torch", cpu_gemm="torch", sparse_scores="torch")
     try:
         paths = engine.stats()["fast_paths"]
         assert paths["lora_kernels"]["used"] == paths["attention"]["used"] == paths["cpu_gemm"]["used"] == "torch"
+        assert paths["sparse_scores"]["used"] == "torch" and not engine.runner.attention.sparse_scores
         assert engine.context.base_linear is cpu_gemm.module_linear
         assert paths["lora_kernels"]["reason"] == "set to torch"
         return serve_two_adapters(engine, demo_assets)
@@ -234,10 +235,39 @@ def test_a_broken_onednn_linear_falls_back_to_torch(demo_assets, torch_tokens, m
         engine.shutdown()
 
 
+def test_auto_on_the_cpu_scores_decode_rows_with_sampled_addmm(demo_assets, torch_tokens):
+    engine = build(demo_assets)
+    try:
+        scores = engine.stats()["fast_paths"]["sparse_scores"]
+        assert scores["intended"] == scores["used"] == "sampled_addmm" and scores["check_error"] <= 1e-5
+        assert engine.runner.attention.sparse_scores
+        assert serve_two_adapters(engine, demo_assets) == torch_tokens
+    finally:
+        engine.shutdown()
+
+
+def test_a_failing_sampled_addmm_falls_back_to_gathered_keys(demo_assets, torch_tokens, monkeypatch, fresh_log, caplog):
+    def raises(*args, **kwargs):
+        raise RuntimeError("sampled_addmm: not implemented for this build")
+
+    monkeypatch.setattr(torch.sparse, "sampled_addmm", raises)
+    engine = build(demo_assets, sparse_scores="fast")
+    try:
+        scores = engine.stats()["fast_paths"]["sparse_scores"]
+        assert scores["intended"] == "sampled_addmm" and scores["used"] == "torch" and "not implemented" in scores["reason"]
+        assert not engine.runner.attention.sparse_scores
+        assert serve_two_adapters(engine, demo_assets) == torch_tokens
+        assert sum("sparse_scores:" in r.getMessage() for r in caplog.records) == 1  # logged once
+    finally:
+        engine.shutdown()
+
+
 def test_unknown_tuning_values_are_refused():
     with pytest.raises(ValueError, match="lora_kernels"):
         EngineTuning(lora_kernels="cuda")
     with pytest.raises(ValueError, match="cpu_gemm"):
         EngineTuning(cpu_gemm="mkl")
+    with pytest.raises(ValueError, match="sparse_scores"):
+        EngineTuning(sparse_scores="csr")
     with pytest.raises(ValueError, match="lora_target_programs"):
         EngineTuning(lora_target_programs=0)

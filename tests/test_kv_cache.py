@@ -171,10 +171,13 @@ def test_paged_attention_matches_dense_attention(window, layout):
 @pytest.mark.parametrize("lengths", [[13, 13, 13], [13, 6, 9]])
 @pytest.mark.parametrize("consecutive", [True, False])
 @pytest.mark.parametrize("values_in_place", [True, False])
-def test_decode_rows_read_only_their_positions(layout, lengths, consecutive, values_in_place):
+@pytest.mark.parametrize("sparse_scores", [False, True])
+@pytest.mark.parametrize("window", [None, 7])
+def test_decode_rows_read_only_their_positions(layout, lengths, consecutive, values_in_place, sparse_scores, window):
     """A decode-only step (one gather group) over rows of equal or different lengths, on blocks handed out in
-    order or scattered, V weighted in place (``embedding_bag``) or gathered: equal to dense attention, and a
-    second layer of the step (reusing the gather's buffer) too."""
+    order or scattered, K gathered or read in place (``sampled_addmm``), V weighted in place (``embedding_bag``)
+    or gathered: equal to dense attention, and a second layer of the step (reusing the gather's buffer, the
+    scores' pattern) too."""
     torch.manual_seed(1)
     H, KV, hd, bs, layers = 6, 3, 8, 4, 2
     cache = PagedKVCache(layers, 24, bs, KV, hd, device=torch.device("cpu"), dtype=torch.float32, layout=layout)
@@ -190,16 +193,26 @@ def test_decode_rows_read_only_their_positions(layout, lengths, consecutive, val
             cache.write(li, pre.write_blocks, pre.write_offsets, k, v)
     step = StepLayout(tables, [n - 1 for n in lengths], [1] * len(lengths), bs, torch.device("cpu"))
     assert len(step.decode_groups) == 1 and step.decode.span == max(lengths)
-    attention = TorchPagedAttention(cache, H, KV, hd)
+    attention = TorchPagedAttention(cache, H, KV, hd, sparse_scores=sparse_scores)
     attention.values_in_place = values_in_place
-    attention.begin_step(step, [None], 0.3)
+    attention.begin_step(step, [window], 0.3)
     for li in range(layers):
         q = torch.randn(len(lengths), H, hd)
-        out = attention(li, q, None, None, step, None, 0.3)
+        out = attention(li, q, None, None, step, window, 0.3)
         for i, n in enumerate(lengths):
-            expected = _reference_attention(q[i:i + 1], keys[li][i], values[li][i], torch.tensor([n - 1]), None, 0.3,
-                                            H // KV)
+            expected = _reference_attention(q[i:i + 1], keys[li][i], values[li][i], torch.tensor([n - 1]), window,
+                                            0.3, H // KV)
             assert (out[i:i + 1] - expected).abs().max().item() < 1e-5, (li, i)
+
+
+def test_sparse_scores_check_passes_and_is_measured_on_the_cpu_in_float32_only():
+    from engine.attention import sparse_scores_unsupported
+    from engine.check_attention import sparse_scores_error
+
+    assert sparse_scores_error(torch.device("cpu"), torch.float32, 6, 2, 16, [None, 9], 0.25, seed=0) < 1e-5
+    assert sparse_scores_unsupported(torch.device("cpu"), torch.float32) is None
+    assert "float32 only" in sparse_scores_unsupported(torch.device("cpu"), torch.bfloat16)
+    assert "CPU only" in sparse_scores_unsupported(torch.device("cuda"), torch.float32)
 
 
 def test_backend_choice_and_the_layout_it_reads():
