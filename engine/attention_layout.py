@@ -7,11 +7,17 @@ sliding-window size (built on first use, then reused by the other layers).
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional, Sequence
 
 import torch
 
 from .host_copy import to_device
+
+# torch warns once per process that sparse CSR tensors are "in beta" when ``score_pattern`` builds its first one; the
+# pattern is checked against the gathered path at start (``engine.check_attention``), so the notice says nothing to an
+# operator (only this message is filtered)
+warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta state", category=UserWarning)
 
 
 class StepLayout:
