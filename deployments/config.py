@@ -97,7 +97,7 @@ class AppArgs(BaseModel):
     on CUDA, 1024 on the CPU, at least `max_batch_size`)"""
     long_prefill_tokens: Optional[int] = Field(default=None, ge=1)
     """a prompt with more tokens left than this is prefilled at most this many tokens a step, and not in a step that
-    already prefills a shorter prompt, so short requests' first tokens do not wait behind its chunks (unset: 128
+    already prefills a shorter prompt, so short requests' first tokens do not wait behind its chunks (unset: 64
     on the CPU with the default `max_num_batched_tokens`, else no cap)"""
     max_model_len: Optional[int] = Field(default=None, ge=16)
     """context window (unset: the model's, at most 2048)"""

@@ -28,8 +28,10 @@ DEFAULT_TOKEN_BUDGET = {"cuda": 8192, "cpu": 1024}
 # requests' TTFT p99 over their p99 alone at 3.157/6.406/3.438 with 256 and 2.243/1.732/1.902 with 128 (short
 # TPOT p99 ~420 -> ~240 ms), the long prompts' TTFT p50 7.2-10.3 s -> 8.6-12.3 s, and all-at-once tok/s
 # 119.8/115.7/100.9 vs 82.7/112.2/88.9 (best 119.8 vs 112.2: noise on a loaded machine; its prompts of 16-128
-# tokens are never long at either cap, so their steps are the same).
-DEFAULT_LONG_PREFILL = {"cuda": None, "cpu": 128}
+# tokens are never long at either cap, so their steps are the same). CPU 64, not 128 (seventeenth round, the same
+# rows, 4 runs each): 1.37/1.73/0.92/1.64 with 64 against 2.16/2.07/2.07/2.05 with 128 (short TPOT during the long
+# prompts 115-137 -> 63-72 ms), the long prompts' own TTFT p50 5.5-6.5 s -> 6.6-7.8 s.
+DEFAULT_LONG_PREFILL = {"cuda": None, "cpu": 64}
 
 
 def token_budget(config: EngineConfig, device: torch.device) -> int:

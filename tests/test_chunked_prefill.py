@@ -203,7 +203,7 @@ def test_without_a_cap_nothing_is_long():
 
 def test_the_cap_defaults_per_device_only_with_the_default_budget():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert long_prefill_cap(AppArgs().engine_config(), cpu) == DEFAULT_LONG_PREFILL["cpu"] == 128
+    assert long_prefill_cap(AppArgs().engine_config(), cpu) == DEFAULT_LONG_PREFILL["cpu"] == 64
     assert long_prefill_cap(AppArgs().engine_config(), cuda) is None
     assert long_prefill_cap(AppArgs(max_num_batched_tokens=4096).engine_config(), cpu) is None
     assert long_prefill_cap(AppArgs(max_num_batched_tokens=4096, long_prefill_tokens=512).engine_config(), cpu) == 512
