@@ -97,8 +97,12 @@ class AppArgs(BaseModel):
     on CUDA, 1024 on the CPU, at least `max_batch_size`)"""
     long_prefill_tokens: Optional[int] = Field(default=None, ge=1)
     """a prompt with more tokens left than this is prefilled at most this many tokens a step, and not in a step that
-    already prefills a shorter prompt, so short requests' first tokens do not wait behind its chunks (unset: 64
+    already prefills a shorter prompt, so short requests' first tokens do not wait behind its chunks (unset: 128
     on the CPU with the default `max_num_batched_tokens`, else no cap)"""
+    long_prefill_chunk_tokens: Optional[int] = Field(default=None, ge=1)
+    """tokens a step feeds of a long prompt (one with more than `long_prefill_tokens` left); smaller chunks are
+    shorter steps for the decodes and short prompts beside it (unset: 64 on the CPU with the default
+    `max_num_batched_tokens` and `long_prefill_tokens`, else `long_prefill_tokens`)"""
     max_model_len: Optional[int] = Field(default=None, ge=16)
     """context window (unset: the model's, at most 2048)"""
     kv_cache_bytes: Optional[int] = Field(default=None, ge=1)

@@ -24,7 +24,8 @@ class EngineConfig:
     host_cache_bytes: int
     max_batch_size: int                      # running requests at most (each holds KV blocks for its tokens)
     max_num_batched_tokens: Optional[int]    # tokens one step feeds (longer prompts are chunked); None: per device
-    long_prefill_tokens: Optional[int]       # tokens a step feeds of a longer prompt at most; None: per device
+    long_prefill_tokens: Optional[int]       # a prompt with more tokens left is long; None: per device
+    long_prefill_chunk_tokens: Optional[int]  # tokens a step feeds of a long prompt; None: per device
     max_model_len: Optional[int]             # None: min(max_position_embeddings, 2048, what the KV cache holds)
     kv_cache_bytes: Optional[int]            # KV budget; None: CUDA kv_cache_memory_fraction of free memory, CPU max_batch_size x max_model_len tokens
     kv_cache_memory_fraction: float          # on CUDA with kv_cache_bytes None: share of the memory free after weights and pool

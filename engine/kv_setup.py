@@ -30,8 +30,11 @@ DEFAULT_TOKEN_BUDGET = {"cuda": 8192, "cpu": 1024}
 # 119.8/115.7/100.9 vs 82.7/112.2/88.9 (best 119.8 vs 112.2: noise on a loaded machine; its prompts of 16-128
 # tokens are never long at either cap, so their steps are the same). CPU 64, not 128 (seventeenth round, the same
 # rows, 4 runs each): 1.37/1.73/0.92/1.64 with 64 against 2.16/2.07/2.07/2.05 with 128 (short TPOT during the long
-# prompts 115-137 -> 63-72 ms), the long prompts' own TTFT p50 5.5-6.5 s -> 6.6-7.8 s.
-DEFAULT_LONG_PREFILL = {"cuda": None, "cpu": 64}
+# prompts 115-137 -> 63-72 ms), the long prompts' own TTFT p50 5.5-6.5 s -> 6.6-7.8 s. But at 64 every prompt of
+# 65-128 tokens was long too, fed alone among prefills: the all-at-once rows (prompts 16-128) lost 15 % tok/s
+# (279 -> 242/233 in one window). So a prompt is long above 128 tokens, and a long one feeds 64 a step.
+DEFAULT_LONG_PREFILL = {"cuda": None, "cpu": 128}
+DEFAULT_LONG_PREFILL_CHUNK = {"cuda": None, "cpu": 64}
 
 
 def token_budget(config: EngineConfig, device: torch.device) -> int:
@@ -51,6 +54,18 @@ def long_prefill_cap(config: EngineConfig, device: torch.device) -> Optional[int
     if config.max_num_batched_tokens is not None:
         return None
     return DEFAULT_LONG_PREFILL["cuda" if device.type == "cuda" else "cpu"]
+
+
+def long_prefill_chunk(config: EngineConfig, device: torch.device) -> Optional[int]:
+    """Tokens a step feeds of a long prompt (``Scheduler``'s ``long_prefill_chunk_tokens``): the configured chunk,
+    else the device's default while the budget and the long threshold are the defaults too, else the threshold."""
+    if config.long_prefill_chunk_tokens is not None:
+        return config.long_prefill_chunk_tokens
+    if config.max_num_batched_tokens is None and config.long_prefill_tokens is None:
+        default = DEFAULT_LONG_PREFILL_CHUNK["cuda" if device.type == "cuda" else "cpu"]
+        if default is not None:
+            return default
+    return long_prefill_cap(config, device)
 
 
 def kv_shape(model) -> tuple[int, int, int]:

@@ -98,6 +98,7 @@ class EngineReadAPI:
                 "preemptions": self.scheduler.preemptions,
                 "max_num_batched_tokens": self.scheduler.max_num_batched_tokens,
                 "long_prefill_tokens": self.scheduler.long_prefill_tokens,
+                "long_prefill_chunk_tokens": self.scheduler.long_prefill_chunk_tokens,
                 "prefill_chunks": self.scheduler.prefill_chunks,  # prefill inputs the token budget cut short
                 # each fast path's start-up decision: {name: {intended, used, reason, check_error}}
                 "fast_paths": {name: path.as_dict() for name, path in self.fast_paths.items()},

@@ -26,8 +26,8 @@ prompt, below, is passed over instead: the shorter requests behind it start). Wi
 budget every running request feeds all its uncomputed tokens.
 
 Long prefills (``long_prefill_tokens``): a prompt with more tokens left than that feeds at
-most that many a step, and none in a step that already prefills another prompt (unless it
-was left out ``max_bypass_steps`` steps). Why: the budget sets how many short prompts one
+most ``long_prefill_chunk_tokens`` (by default the same number) a step, and none in a step that
+already prefills another prompt (unless it was left out ``max_bypass_steps`` steps). Why: the budget sets how many short prompts one
 step batches (big GEMMs are cheaper per token, so a large budget serves more tokens per
 second), while a step's duration is what a request arriving during it waits, and what
 every running decode waits for its next token. The cap lets a large budget batch many short
@@ -71,17 +71,22 @@ class BlockSpace(Protocol[S]):
 class Scheduler(Generic[S]):
     def __init__(self, validate_batch: Callable[[set], bool], is_pinned: Callable[[Hashable], bool],
                  max_batch_size: int, max_bypass_steps: int = 16, blocks: Optional[BlockSpace] = None,
-                 max_num_batched_tokens: Optional[int] = None, long_prefill_tokens: Optional[int] = None):
+                 max_num_batched_tokens: Optional[int] = None, long_prefill_tokens: Optional[int] = None,
+                 long_prefill_chunk_tokens: Optional[int] = None):
         """``blocks``: the KV cache's block accounting; None schedules by slots and batch size only.
         ``max_num_batched_tokens``: tokens one step may feed (at least ``max_batch_size``, so every decode
         fits); None: no budget, no chunking. ``long_prefill_tokens``: a prefill with more tokens left is long
-        (capped at that many a step, yielding to other prefills); None: the budget (no prefill is long)."""
+        (yielding to other prefills); None: the budget (no prefill is long). ``long_prefill_chunk_tokens``: the
+        most tokens a long prefill feeds a step; None: ``long_prefill_tokens``."""
         if max_num_batched_tokens is not None and max_num_batched_tokens < max_batch_size:
             raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} is below max_batch_size="
                              f"{max_batch_size}: one step must fit every running request's next token")
         if long_prefill_tokens is not None and long_prefill_tokens < 1:
             raise ValueError(f"long_prefill_tokens must be at least 1 (got {long_prefill_tokens})")
+        if long_prefill_chunk_tokens is not None and long_prefill_chunk_tokens < 1:
+            raise ValueError(f"long_prefill_chunk_tokens must be at least 1 (got {long_prefill_chunk_tokens})")
         self.long_prefill_tokens = long_prefill_tokens
+        self.long_prefill_chunk_tokens = long_prefill_chunk_tokens or long_prefill_tokens
         self.validate_batch = validate_batch
         self.is_pinned = is_pinned
         self.max_batch_size = max_batch_size
@@ -179,7 +184,7 @@ class Scheduler(Generic[S]):
     def plan_step(self) -> list[tuple[S, int]]:
         """(request, tokens it feeds this step) for the running requests that feed any: decodes first, then
         prefill chunks, fewest remaining tokens first (a prefill starved ``max_bypass_steps`` steps first of all),
-        until the budget is spent; a long prefill feeds at most ``long_prefill_tokens``, and only as the step's
+        until the budget is spent; a long prefill feeds at most ``long_prefill_chunk_tokens``, and only as the step's
         first prefill (or when starved); a request left out feeds next step."""
         if self.max_num_batched_tokens is None:
             return [(seq, self._wanted(seq)) for seq in self.running]
@@ -192,7 +197,7 @@ class Scheduler(Generic[S]):
                 left -= 1
         prefills = [seq for seq in by_age if self._wanted(seq) > 1]
         prefills.sort(key=lambda seq: (self._starved.get(id(seq), 0) < self.max_bypass_steps, self._wanted(seq)))
-        cap = self.long_prefill_tokens
+        cap = self.long_prefill_chunk_tokens
         prefilling = False
         for seq in prefills:
             if left <= 0:

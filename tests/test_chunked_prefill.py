@@ -14,7 +14,8 @@ from engine.block_manager import BlockManager
 from engine.detokenizer import IncrementalDetokenizer
 from engine.demo.tokenizer import build_tokenizer
 from engine.kv_cache import PagedKVCache
-from engine.kv_setup import DEFAULT_LONG_PREFILL, DEFAULT_TOKEN_BUDGET, long_prefill_cap, token_budget
+from engine.kv_setup import (DEFAULT_LONG_PREFILL, DEFAULT_LONG_PREFILL_CHUNK, DEFAULT_TOKEN_BUDGET, long_prefill_cap,
+                              long_prefill_chunk, token_budget)
 from engine.live_settings import apply_live_settings
 from engine.request import GenerateRequest
 from engine.scheduler import Scheduler
@@ -23,12 +24,13 @@ from engine.sequence import Sequence
 TOKENIZER = build_tokenizer()
 
 
-def make(budget, num_blocks=64, block_size=4, max_batch=4, cap=None):
+def make(budget, num_blocks=64, block_size=4, max_batch=4, cap=None, chunk=None):
     cache = PagedKVCache(1, num_blocks, block_size, 1, 2, device=torch.device("cpu"), dtype=torch.float32,
                          prefix_caching=False)
     blocks = BlockManager(cache, watermark=0)
     return Scheduler(lambda uids: True, lambda uid: False, max_batch, 16, blocks=blocks,
-                     max_num_batched_tokens=budget, long_prefill_tokens=cap), blocks
+                     max_num_batched_tokens=budget, long_prefill_tokens=cap,
+                     long_prefill_chunk_tokens=chunk), blocks
 
 
 def seq(prompt_len, max_tokens=3):
@@ -203,10 +205,37 @@ def test_without_a_cap_nothing_is_long():
 
 def test_the_cap_defaults_per_device_only_with_the_default_budget():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert long_prefill_cap(AppArgs().engine_config(), cpu) == DEFAULT_LONG_PREFILL["cpu"] == 64
+    assert long_prefill_cap(AppArgs().engine_config(), cpu) == DEFAULT_LONG_PREFILL["cpu"] == 128
     assert long_prefill_cap(AppArgs().engine_config(), cuda) is None
     assert long_prefill_cap(AppArgs(max_num_batched_tokens=4096).engine_config(), cpu) is None
     assert long_prefill_cap(AppArgs(max_num_batched_tokens=4096, long_prefill_tokens=512).engine_config(), cpu) == 512
+
+
+def test_the_chunk_defaults_smaller_than_the_threshold_only_with_both_defaults_on_the_cpu():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert long_prefill_chunk(AppArgs().engine_config(), cpu) == DEFAULT_LONG_PREFILL_CHUNK["cpu"] == 64
+    assert long_prefill_chunk(AppArgs().engine_config(), cuda) is None
+    assert long_prefill_chunk(AppArgs(long_prefill_tokens=256).engine_config(), cpu) == 256
+    assert long_prefill_chunk(AppArgs(max_num_batched_tokens=4096).engine_config(), cpu) is None
+    assert long_prefill_chunk(AppArgs(long_prefill_chunk_tokens=32).engine_config(), cpu) == 32
+
+
+def test_a_long_prompt_feeds_chunks_while_a_prompt_under_the_threshold_batches_whole():
+    """Long above ``long_prefill_tokens`` (here 32), fed ``long_prefill_chunk_tokens`` (16) a step: a 30-token
+    prompt is not long, so it feeds whole beside another short one; the 200-token one feeds 16 alone."""
+    sched, blocks = make(budget=128, num_blocks=512, max_batch=8, cap=32, chunk=16)
+    long, mid, short = seq(200), seq(30), seq(10)
+    for s in (long, mid, short):
+        sched.add(s)
+    assert step(sched, blocks) == [(short, 10), (mid, 30)]  # the long one yields to the step's prefills
+    assert step(sched, blocks) == [(mid, 1), (short, 1), (long, 16)]  # decodes by age, then one chunk
+    assert step(sched, blocks) == [(mid, 1), (short, 1), (long, 16)]
+    assert step(sched, blocks) == [(long, 16)]  # the short ones finished (3 tokens)
+
+
+def test_a_chunk_below_one_token_is_refused():
+    with pytest.raises(ValueError, match="long_prefill_chunk_tokens"):
+        make(budget=64, cap=32, chunk=0)
 
 
 def test_a_waiting_long_prompt_does_not_hold_back_the_short_ones_behind_it():

@@ -67,8 +67,10 @@ def long_prompt_rows(engine: LoRAEngine, names: Sequence[str], work: LongPromptW
     shorts = [s for s in served if s.request.index < len(work.shorts)]
     longs = [s for s in served if s.request.index >= len(work.shorts)]
     budget, cap = engine.scheduler.max_num_batched_tokens, engine.scheduler.long_prefill_tokens
+    chunk = engine.scheduler.long_prefill_chunk_tokens
     with_long = latency_summary(f"short requests + {len(longs)} prompts of {LONG_PROMPT} tokens "
-                                f"(budget {budget} tokens/step, long chunks {cap or budget})", shorts)
+                                f"(budget {budget} tokens/step, long above {cap or budget}, chunks {chunk or budget})",
+                                shorts)
     with_long["long_ttft_p50_ms"] = float(np.percentile([s.ttft for s in longs], 50)) * 1e3
     with_long["prefill_chunks"] = chunks
     return [latency_summary("short requests alone, Poisson", alone), with_long]
