@@ -32,6 +32,9 @@ T = TypeVar("T")
 # a step is timed for the prefill rate when its prompt tokens are at least this many: its time is then mostly
 # prefill (a decode row costs about one token's prefill), so seconds / prompt tokens is the rate routers price
 PREFILL_TIMED_MIN_TOKENS = 128
+# ... or a long prompt's chunk (``long_prefill_chunk_tokens``, 64 on the CPU) when the step's decode rows are at most
+# this share of its prompt tokens: a CPU engine feeds prompts over 128 tokens in such chunks, never 128 at once
+PREFILL_TIMED_TOKENS_PER_DECODE_ROW = 4
 STAGING_POLL_S = 0.01
 BOUNDARY_WAIT_S = 1.0  # how often a thread waiting on the engine checks that the engine thread still lives
 
@@ -101,6 +104,16 @@ class StepLoop:
             finally:  # what a step costs the host, whatever its batch (benchmarks price steps by it)
                 self.engine_cpu_s += time.thread_time() - cpu
 
+    def _prefill_heavy(self, prompt_tokens: int, planned: list, inputs: list) -> bool:
+        """Whether a step's time is mostly its prompt tokens' (``PREFILL_TIMED_MIN_TOKENS``)."""
+        if prompt_tokens >= PREFILL_TIMED_MIN_TOKENS:
+            return True
+        chunk = self.scheduler.long_prefill_chunk_tokens
+        if chunk is None or prompt_tokens < chunk:
+            return False
+        decode_rows = sum(1 for s, x in zip(planned, inputs) if x.start_pos >= len(s.prompt_ids))
+        return prompt_tokens >= PREFILL_TIMED_TOKENS_PER_DECODE_ROW * decode_rows
+
     def _step(self) -> None:
         with self._lock:
             for seq in [s for s in self.scheduler.running if s.cancel_reason is not None]:
@@ -140,7 +153,7 @@ class StepLoop:
         running, logits = fork_ready(running, logits, self._fork)
         finished: list[tuple[Sequence, object]] = []
         tokens = next_tokens(logits, running, self.eos_ids, self._grammar)
-        if prompt_tokens >= PREFILL_TIMED_MIN_TOKENS:  # (sampling synchronized the device: the forward is done)
+        if self._prefill_heavy(prompt_tokens, planned, inputs):  # (sampling synchronized the device: the forward is done)
             timed_tokens, timed_s = self.prefill_timed
             self.prefill_timed = (timed_tokens + prompt_tokens, timed_s + time.perf_counter() - started)
         scored = step_logprobs(logits, [s.request.logprobs for s in running], tokens, self.token_texts)

@@ -203,7 +203,8 @@ def test_n_samples_without_batch_room_queue_and_still_match(demo_assets):
 
 def test_prefill_heavy_steps_are_timed_for_the_routers_prefill_rate(engine):
     """A 201-token prompt's prefill step is timed (prompt tokens and seconds, what the worker reports as seconds
-    per token); a short prompt's step, mostly decode overhead, is not."""
+    per token); a short prompt's step, mostly decode overhead, is not. On the CPU the 201 tokens are fed in chunks of
+    ``long_prefill_chunk_tokens`` (64), each step only its chunk: every one of them is timed."""
     from engine.step_loop import PREFILL_TIMED_MIN_TOKENS
 
     tokens, seconds = engine.prefill_timed
