@@ -96,8 +96,8 @@ class AppArgs(BaseModel):
     """tokens one engine step feeds; longer prompts are prefilled in chunks beside running decodes (unset: 8192
     on CUDA, 1024 on the CPU, at least `max_batch_size`)"""
     long_prefill_tokens: Optional[int] = Field(default=None, ge=1)
-    """a prompt with more tokens left than this is prefilled at most this many tokens a step, and not in a step that
-    already prefills a shorter prompt, so short requests' first tokens do not wait behind its chunks (unset: 128
+    """a prompt with more tokens left than this is long: it is prefilled `long_prefill_chunk_tokens` a step at most, and
+    not in a step that already prefills a shorter prompt, so short requests' first tokens do not wait behind its chunks (unset: 128
     on the CPU with the default `max_num_batched_tokens`, else no cap)"""
     long_prefill_chunk_tokens: Optional[int] = Field(default=None, ge=1)
     """tokens a step feeds of a long prompt (one with more than `long_prefill_tokens` left); smaller chunks are
