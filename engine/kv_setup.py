@@ -28,11 +28,12 @@ DEFAULT_TOKEN_BUDGET = {"cuda": 8192, "cpu": 1024}
 # requests' TTFT p99 over their p99 alone at 3.157/6.406/3.438 with 256 and 2.243/1.732/1.902 with 128 (short
 # TPOT p99 ~420 -> ~240 ms), the long prompts' TTFT p50 7.2-10.3 s -> 8.6-12.3 s, and all-at-once tok/s
 # 119.8/115.7/100.9 vs 82.7/112.2/88.9 (best 119.8 vs 112.2: noise on a loaded machine; its prompts of 16-128
-# tokens are never long at either cap, so their steps are the same). CPU 64, not 128 (seventeenth round, the same
-# rows, 4 runs each): 1.37/1.73/0.92/1.64 with 64 against 2.16/2.07/2.07/2.05 with 128 (short TPOT during the long
-# prompts 115-137 -> 63-72 ms), the long prompts' own TTFT p50 5.5-6.5 s -> 6.6-7.8 s. But at 64 every prompt of
-# 65-128 tokens was long too, fed alone among prefills: the all-at-once rows (prompts 16-128) lost 15 % tok/s
-# (279 -> 242/233 in one window). So a prompt is long above 128 tokens, and a long one feeds 64 a step.
+# tokens are never long at either cap, so their steps are the same).
+# A long prompt's chunk (``long_prefill_chunk_tokens``) when unset with the defaults: CPU 64 (seventeenth round, the
+# same rows, 4 runs each, threshold and chunk both 64 against both 128): short TTFT ratio 1.37/1.73/0.92/1.64 against
+# 2.16/2.07/2.07/2.05 (short TPOT during the long prompts 115-137 -> 63-72 ms), the long prompts' own TTFT p50
+# 5.5-6.5 s -> 6.6-7.8 s. A threshold of 64 made every prompt of 65-128 tokens long too, fed alone among prefills
+# (all-at-once rows, prompts 16-128: 279 -> 242/233 tok/s in one window), so the threshold stays 128.
 DEFAULT_LONG_PREFILL = {"cuda": None, "cpu": 128}
 DEFAULT_LONG_PREFILL_CHUNK = {"cuda": None, "cpu": 64}
 
