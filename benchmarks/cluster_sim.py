@@ -309,15 +309,16 @@ def routing_live_check(path: str, live: dict) -> tuple[list[dict], int, int]:
     from .sim.cpu_fleet import CpuFleetConfig, measure_engine_steps
     from .sim.live_check import SEEDS, ranking_agreement, simulate_live
 
-    step_base, step_per_seq = measure_engine_steps()
-    rows = simulate_live(live, step_base, step_per_seq)
+    step = measure_engine_steps()
+    rows = simulate_live(live, step)
     print()
     common.print_table(rows, ["setting", "cost", "concurrency", "variant", "live_req_per_s", "sim_req_per_s",
                               "live_p50_ms", "sim_p50_ms", "live_p99_ms", "sim_p99_ms", "sim_loads_per_1k",
                               "live_workers_cpu_ms", "sim_workers_cpu_ms", "engine_share", "sim_refusals_per_request",
                               "sim_idle_share", "step_scale"], floatfmt=".2f",
-                       title=f"== the live fleet in simulation ({path}): engine step {1e3 * step_base:.2f} ms + "
-                             f"{1e3 * step_per_seq:.3f} ms per running request (measured here; x step_scale, the "
+                       title=f"== the live fleet in simulation ({path}): engine step {1e3 * step.base_s:.2f} ms + "
+                             f"{1e3 * step.per_seq_s:.3f} ms per running request + {1e3 * step.per_adapter_s:.3f} ms "
+                             f"per adapter beyond the first (measured here; x step_scale, the "
                              f"run's own engine CPU per step over it at concurrency 1 where recorded), each variant's "
                              f"control-plane CPU per request from the run, on {CpuFleetConfig().cores:g} shared cores; "
                              f"Serve's routers on its queue-length cache (benchmarks/sim/serve_cache.py; compare the "

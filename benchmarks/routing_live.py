@@ -3,7 +3,9 @@
 Why: users feel latency and throughput, and a serving engineer compares a custom router
 against what Ray Serve already ships before adopting it. Three variants, the same engine,
 pool, slot count and trace, deployed side by side and measured in turns (each row of one
-variant right after the same row of the others, so drift on a shared machine hits all):
+variant right after the same row of the others, so drift on a shared machine hits all; at low
+concurrency, where the variants are close, a cell's trace is cut in up to ``MAX_TURNS`` slices
+and the variants alternate slice by slice, ``turns_for``):
 
 - ``affinity``: the product as it ships (``deployments.app.build_fleet``), requests routed
   by ``routing.ray_router:AdapterAffinityRouter`` (expected completion time);
@@ -50,7 +52,7 @@ import math
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -65,6 +67,7 @@ CONCURRENCY = (1, 8, 64)
 COSTS = ("cheap", "expensive")
 LETTERS = np.array(list("abcdefghijklmnopqrstuvwxyz     "))
 MULTI_ROUTERS = 3
+MAX_TURNS = 4  # alternating turns per one-router cell (``turns_for``)
 
 
 @dataclass(frozen=True)
@@ -252,8 +255,8 @@ def run_clients(clients: list, requests: list, concurrency: int, stream: bool = 
             "wall_s": max(r["wall_s"] for r in results), "cpu_s": sum(r["cpu_s"] for r in results)}
 
 
-def measure_row(variant: Variant, meter, setting: Setting, cost: str, concurrency: int, routers: int,
-                requests: list) -> dict:
+def measure_part(variant: Variant, meter, routers: int, requests: list, concurrency: int) -> dict:
+    """One turn of ``variant`` on ``requests``: its clients' results and the counters read around them."""
     import ray
 
     clients = variant.ensure_clients(routers)
@@ -267,7 +270,29 @@ def measure_row(variant: Variant, meter, setting: Setting, cost: str, concurrenc
     loads = variant.loads() - loads_before
     decisions = sum((Counter(d) - b for d, b in zip(ray.get([c.decisions.remote() for c in clients]),
                                                       decisions_before)), Counter())
-    n = len(requests)
+    return {"result": result, "cpu": cpu, "engine": engine, "loads": loads, "decisions": decisions,
+            "n": len(requests)}
+
+
+def merge_parts(parts: Sequence[dict]) -> dict:
+    """Several turns of one variant as one: lists joined, seconds, counters and CPU summed (one router)."""
+    if len(parts) == 1:
+        return parts[0]
+    results = [p["result"] for p in parts]
+    result = {key: [x for r in results for x in r[key]] for key in ("latencies", "ttfts", "replicas", "sent_at",
+                                                                     "errors")}
+    result.update(wall_s=sum(r["wall_s"] for r in results), cpu_s=sum(r["cpu_s"] for r in results),
+                  router_p50_ms=[round(1000.0 * float(np.median(result["latencies"])), 1)
+                                 if result["latencies"] else None])
+    add = lambda key: {k: sum(p[key].get(k, 0.0) for p in parts) for k in parts[0][key]}  # noqa: E731
+    return {"result": result, "cpu": add("cpu"), "engine": add("engine"), "loads": sum(p["loads"] for p in parts),
+            "decisions": sum((p["decisions"] for p in parts), Counter()), "n": sum(p["n"] for p in parts)}
+
+
+def row_of(variant: Variant, setting: Setting, cost: str, concurrency: int, routers: int, part: dict) -> dict:
+    """A table row from a variant's (merged) turns."""
+    result, cpu, engine, loads, decisions, n = (part[k] for k in ("result", "cpu", "engine", "loads", "decisions",
+                                                                  "n"))
     ok = np.array([lat for lat, rep in zip(result["latencies"], result["replicas"]) if rep is not None])
     per_replica = Counter(r for r in result["replicas"] if r is not None)
     per_request = lambda seconds: 1000.0 * seconds / n  # noqa: E731
@@ -302,6 +327,37 @@ def measure_row(variant: Variant, meter, setting: Setting, cost: str, concurrenc
           f"{row['req_per_s']:5.1f} req/s router cpu {row['router_cpu_ms']:5.1f} ms/req errors={row['errors']}",
           flush=True)
     return row
+
+
+def measure_row(variant: Variant, meter, setting: Setting, cost: str, concurrency: int, routers: int,
+                requests: list) -> dict:
+    """``variant`` on ``requests`` in one turn."""
+    return row_of(variant, setting, cost, concurrency, routers,
+                  measure_part(variant, meter, routers, requests, concurrency))
+
+
+def turns_for(concurrency: int, requests: int) -> int:
+    """How many turns a cell's one-router rows take: the variants alternate, each turn a slice of the trace.
+
+    Why: this machine's speed drifts by a fifth within a minute (engine CPU per batch-1 step 2.0 to 3.1 ms across
+    one run's concurrency-1 rows), and at concurrency 1 the variants are within a few percent of each other, so a
+    row measured in one stretch ranks the minute, not the router. Alternating slices give every variant the same
+    mix of fast and slow stretches. A turn keeps at least 16 requests per client (a closed loop's start and end)."""
+    return min(MAX_TURNS, max(1, requests // (16 * concurrency)))
+
+
+def measure_cell(variants: Sequence[Variant], meter, setting: Setting, cost: str, concurrency: int,
+                 requests: list) -> list[dict]:
+    """One row per variant (one router), measured in ``turns_for`` alternating turns over slices of
+    ``requests`` (turn k starts with variant k mod V), each row the turns merged."""
+    turns = turns_for(concurrency, len(requests))
+    bounds = np.linspace(0, len(requests), turns + 1).astype(int)
+    parts: dict[str, list[dict]] = {v.name: [] for v in variants}
+    for k in range(turns):
+        chunk = requests[bounds[k]:bounds[k + 1]]
+        for v in list(variants[k % len(variants):]) + list(variants[:k % len(variants)]):
+            parts[v.name].append(measure_part(v, meter, 1, chunk, concurrency))
+    return [row_of(v, setting, cost, concurrency, 1, merge_parts(parts[v.name])) for v in variants]
 
 
 def _percent(share: float) -> Optional[int]:
@@ -492,8 +548,7 @@ def main(argv=None) -> list[dict]:
                     run_clients(v.ensure_clients(1), warmup, 8)
                 for c in concurrencies:
                     requests = build_requests(setting, requests_per_row(c, args), args.seed + 100 * i)
-                    for v in variants:
-                        rows.append(measure_row(v, meter, setting, cost, c, 1, requests))
+                    rows += measure_cell(variants, meter, setting, cost, c, requests)
                     multi = [v for v in variants if v.name == "affinity"]
                     if multi and not args.no_multi_router and c >= MULTI_ROUTERS:
                         run_clients(multi[0].ensure_clients(MULTI_ROUTERS), warmup, 8)

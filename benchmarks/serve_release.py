@@ -13,8 +13,13 @@ default router (``release_log.ReleaseLogPow2Router``) Serve's cached count for t
 counted ``max_ongoing_requests``) and its probes' latency and share that timed out. ``routing_live``'s skew setting, cheap loads, 2 replicas, closed
 loop at ``--concurrency``, one router; the workers are ``benchmarks.live.release_log``'s.
 
+Also the replica's CPU per send it refuses and per probe it answers (``benchmarks.live.refusal_cost``:
+a replica held at its limit, sent what Serve's router sends), which the simulator charges to the
+replica's core (``ServeTimes.refusal_cpu_s`` and ``probe_cpu_s``).
+
 Goals are reported, not judged (a model is checked against them): ``serve_rejections_per_request``,
-``affinity_rejections_per_request`` and ``serve_replica_idle_share``.
+``affinity_rejections_per_request``, ``serve_replica_idle_share``, ``replica_cpu_ms_per_refusal`` and
+``replica_cpu_ms_per_probe``.
 
     python -m benchmarks.serve_release [--quick] [--json PATH]
 """
@@ -134,8 +139,9 @@ def main(argv=None) -> list[dict]:
     from ray import serve
 
     from engine.demo import ensure_demo_assets
+    from engine.request import GenerateRequest
 
-    from .live import release_log
+    from .live import refusal_cost, release_log
 
     log_dir = tempfile.mkdtemp(prefix="lorafleet-release-")
     os.environ[release_log.LOG_ENV] = log_dir  # the clients (the router's process) read it from here
@@ -174,6 +180,10 @@ def main(argv=None) -> list[dict]:
             serve.delete(variant.app)
             shutil.rmtree(log_dir, ignore_errors=True)
             os.makedirs(log_dir)
+        adapter, prompt, max_tokens = rl.build_requests(setting, 1, args.seed)[0]
+        costs = refusal_cost.measure_refusal_cost(GenerateRequest(adapter=adapter, prompt=prompt,
+                                                                  max_tokens=max_tokens, temperature=0.0),
+                                                  rounds=2 if args.quick else 3)
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -192,7 +202,13 @@ def main(argv=None) -> list[dict]:
                          None),
              common.goal("affinity_rejections_per_request", round(by["affinity"]["rejections_per_request"], 3),
                          "reported", None),
-             common.goal("serve_replica_idle_share", round(by["pow2"]["idle_share"], 3), "reported", None)]
+             common.goal("serve_replica_idle_share", round(by["pow2"]["idle_share"], 3), "reported", None),
+             common.goal("replica_cpu_ms_per_refusal", round(costs["refusal_cpu_ms"], 3), "reported", None),
+             common.goal("replica_cpu_ms_per_probe", round(costs["probe_cpu_ms"], 3), "reported", None)]
+    print()
+    print(f"A replica held at its limit: {costs['refusals_per_s']:.0f} refused sends/s, {costs['probes_per_s']:.0f} "
+          f"probes/s; its CPU above idle: {costs['refusal_cpu_ms']:.3f} ms per refusal, "
+          f"{costs['probe_cpu_ms']:.3f} ms per probe")
     print()
     common.print_goals(goals)
     print(f"\ntotal {common.elapsed_since(started)}")

@@ -181,3 +181,45 @@ def test_serve_release_reads_occupancy_and_the_routers_view():
     view = router_view(sends, since=1.0, rows=8)
     assert view["sends_at_full_cache"] == 0.5 and view["probe_timeouts"] == 0.5
     assert abs(view["probe_p50_ms"] - 100.0) < 1e-6 and view["send_cache_p50"] == 4.5
+
+
+def test_low_concurrency_cells_alternate_the_variants_in_turns():
+    """A cell at concurrency 1 is cut in slices the variants take in turns (machine drift hits each alike);
+    at 64 one turn keeps the closed loop's steady state; a turn keeps 16 requests per client."""
+    assert rl.turns_for(1, 200) == rl.MAX_TURNS
+    assert rl.turns_for(64, 512) == 1
+    assert rl.turns_for(8, 256) == 2
+    assert rl.turns_for(1, 20) == 1
+
+
+def test_turns_merge_into_one_row():
+    """Merged turns: req/s over the summed wall time, latencies pooled, counters and CPU summed."""
+    from collections import Counter
+
+    def part(latencies, wall, loads, engine_cpu):
+        n = len(latencies)
+        return {"result": {"latencies": latencies, "ttfts": latencies, "replicas": ["r0"] * n,
+                           "sent_at": [float(i) for i in range(n)], "errors": [], "wall_s": wall, "cpu_s": 0.01 * n,
+                           "router_p50_ms": [1000.0 * latencies[0]]},
+                "cpu": {"app/LoRAWorker": 0.02 * n}, "loads": loads, "decisions": Counter(spill=1), "n": n,
+                "engine": {"engine_cpu_s": engine_cpu, "rows_stepped": 10 * n, "steps": 10 * n}}
+
+    merged = rl.merge_parts([part([0.1, 0.3], 1.0, 1, 0.5), part([0.2, 0.4, 0.6], 2.0, 2, 1.0)])
+    assert merged["n"] == 5 and merged["loads"] == 3 and merged["decisions"]["spill"] == 2
+    assert merged["result"]["wall_s"] == 3.0 and merged["result"]["latencies"] == [0.1, 0.3, 0.2, 0.4, 0.6]
+    assert merged["result"]["router_p50_ms"] == [300.0]
+    assert merged["engine"]["engine_cpu_s"] == 1.5 and merged["cpu"]["app/LoRAWorker"] == 0.1
+    single = part([0.1], 1.0, 0, 0.1)
+    assert rl.merge_parts([single]) is single
+
+
+def test_a_replica_held_at_its_limit_refuses_every_send_and_each_refusal_costs_it_cpu(ray_cluster):
+    """benchmarks.live.refusal_cost: the replica itself counts the refusals and probes it handled while holding
+    its one row; both cost its process CPU above the same window idle."""
+    from benchmarks.live.refusal_cost import measure_refusal_cost
+    from engine.request import GenerateRequest
+
+    costs = measure_refusal_cost(GenerateRequest(adapter="demo-0", prompt="hello there", max_tokens=8),
+                                 rounds=1, window_s=1.0)
+    assert costs["refusals_per_s"] > 20 and costs["probes_per_s"] > 20
+    assert 0.0 < costs["probe_cpu_ms"] < 50.0 and 0.0 < costs["refusal_cpu_ms"] < 50.0

@@ -120,7 +120,7 @@ def test_benchmark_helpers_on_a_tiny_plan() -> None:
 # ---------------------------------------------------------------------------- the live fleet in simulation
 
 from benchmarks.routing_live import Setting as LiveSetting, build_requests  # noqa: E402
-from benchmarks.sim.cpu_fleet import ControlPlaneCpu, CpuFleet, CpuFleetConfig, run_cpu_fleet  # noqa: E402
+from benchmarks.sim.cpu_fleet import ControlPlaneCpu, CpuFleet, CpuFleetConfig, StepCost, run_cpu_fleet  # noqa: E402
 from benchmarks.sim.live_check import calibrate, ranking_agreement, simulate_live, step_scale  # noqa: E402
 
 
@@ -187,7 +187,7 @@ def test_a_live_run_is_simulated_cell_by_cell():
             rows.append({"setting": "skew", "cost": cost, "concurrency": 8, "routers": 1, "variant": variant,
                          "req_per_s": rps, "p50_ms": 100.0, "p99_ms": 200.0, "router_cpu_ms": 5.0,
                          "directory_cpu_ms": 1.0, "metrics_agent_cpu_ms": 1.0, "workers_cpu_ms": 20.0})
-    out = simulate_live({"metadata": {"settings": meta}, "rows": rows}, 0.004, 0.0005)
+    out = simulate_live({"metadata": {"settings": meta}, "rows": rows}, StepCost(0.004, 0.0005))
     live = {"affinity": 30.0, "multiplexed": 20.0, "pow2": 10.0}
     assert len(out) == 6 and all(r["sim_req_per_s"] > 0 and r["live_req_per_s"] == live[r["variant"]] for r in out)
     assert {(r["cost"], r["variant"]) for r in out} == {(c, v) for c in costs for v in
@@ -207,8 +207,8 @@ def test_the_live_step_is_scaled_by_the_runs_own_engine_cpu_at_concurrency_1():
     # 13 steps of 2.6 ms at batch 1 against a measured 1.2 + 0.1 ms: the live step is 2x; the c=64 row is not read
     rows = [_calibration_row("affinity", 1, 40.0, 13 * 2.6), _calibration_row("pow2", 1, 41.0, 13 * 2.6),
             _calibration_row("affinity", 64, 15.0, 13 * 9.9 / 8, rows=8.0)]
-    assert step_scale(rows, 0.0012, 0.0001) == pytest.approx(2.0)
-    control = calibrate(rows, 0.0012, 0.0001, 12.0)
+    assert step_scale(rows, StepCost(0.0012, 0.0001)) == pytest.approx(2.0)
+    control = calibrate(rows, StepCost(0.0012, 0.0001), 12.0)
     # per request besides engine steps: the workers' CPU less their engine threads', at concurrency 1
     assert control["affinity"].replica_s == pytest.approx((40.0 - 33.8) / 1000)
     assert control["pow2"].replica_s == pytest.approx((41.0 - 33.8) / 1000)
@@ -216,8 +216,8 @@ def test_the_live_step_is_scaled_by_the_runs_own_engine_cpu_at_concurrency_1():
 
 def test_a_run_without_engine_counters_keeps_the_measured_step_and_charges_batch_1_steps():
     rows = [_calibration_row("affinity", 1, 40.0), _calibration_row("affinity", 64, 15.0)]
-    assert step_scale(rows, 0.0012, 0.0001) == 1.0
-    assert calibrate(rows, 0.0012, 0.0001, 12.0)["affinity"].replica_s == pytest.approx(0.040 - 12 * 0.0013)
+    assert step_scale(rows, StepCost(0.0012, 0.0001)) == 1.0
+    assert calibrate(rows, StepCost(0.0012, 0.0001), 12.0)["affinity"].replica_s == pytest.approx(0.040 - 12 * 0.0013)
 
 
 def test_the_multiplexing_router_routes_on_pushed_model_ids_in_both_loops():

@@ -111,3 +111,37 @@ def test_the_product_router_reads_the_same_cache_is_refused_at_times_and_decides
     assert busy.requests == 160 and busy.refusals_per_request > 0.0
     assert busy.req_per_s < routing_live_fleet("affinity", 64, serve_times=None).req_per_s
     assert routing_live_fleet("affinity", 1).refusals_per_request == 0.0
+
+
+def test_refusals_and_probes_cost_the_replica_cpu_its_steps_wait_for():
+    """A refused send and a probe each cost the replica's process CPU (benchmarks.live.refusal_cost): with them
+    priced, Serve's router at concurrency 64 spends more worker CPU per request and serves fewer requests a second."""
+    free = routing_live_fleet("pow2", 64, serve_times=ServeTimes(refusal_cpu_s=0.0, probe_cpu_s=0.0))
+    priced = routing_live_fleet("pow2", 64, serve_times=ServeTimes(refusal_cpu_s=0.002, probe_cpu_s=0.001))
+    assert priced.refusals_per_request > 0.2
+    assert priced.workers_cpu_ms > free.workers_cpu_ms + 0.002 * 1000 * 0.2
+    assert priced.req_per_s < free.req_per_s
+
+
+def fleet_with(variant: str, concurrency: int, **cfg):
+    requests = [(f"a{i % 12}", "x" * 40, 12) for i in range(160)]
+    return run_cpu_fleet(requests, concurrency, CpuFleetConfig(variant=variant, replicas=2, slots=4, max_batch=8,
+                                                               step_base_s=0.0015, step_per_seq_s=0.0001, **cfg))
+
+
+def test_a_disk_read_keeps_its_requester_waiting_not_the_batch_and_its_wait_is_not_cpu():
+    """As the live worker reads a cold adapter before it submits: a slow read lengthens latency, not the workers'
+    CPU, and the rows already running keep stepping (the run's other requests finish no later than their reads)."""
+    fast = fleet_with("pow2", 8, disk_load_s=0.002)
+    slow = fleet_with("pow2", 8, disk_load_s=0.5)
+    # at least 12 reads of 0.5 s: charged as CPU they would add >= 37 ms a request; smaller batches add a little
+    assert slow.workers_cpu_ms < 2 * fast.workers_cpu_ms < 20.0
+    assert slow.p99_ms > fast.p99_ms + 400
+    assert slow.p50_ms < 0.5 * slow.p99_ms  # most requests found their adapter read: they never waited for one
+
+
+def test_each_distinct_adapter_in_a_step_costs_its_segment():
+    """A spreading router's batches hold more adapters than the affinity router's; the step prices each."""
+    flat = fleet_with("pow2", 64, step_per_adapter_s=0.0)
+    priced = fleet_with("pow2", 64, step_per_adapter_s=0.0005)
+    assert priced.workers_cpu_ms > flat.workers_cpu_ms and priced.req_per_s < flat.req_per_s

@@ -9,15 +9,20 @@ This model is ``benchmarks.routing_live``'s setup (replicas x slots, ``max_ongoi
 - the routers of ``benchmarks.sim.routers``: ``affinity`` (the product's policy, view and
   local state, fed by a lagged directory), ``multiplex`` (Serve's multiplexing) and
   ``pow2`` (Serve's default);
-- an engine that steps: each step costs ``step_base_s + step_per_seq_s * batch`` CPU
-  seconds (measured on the demo engine, ``measure_engine_steps``) plus the loads it
-  makes (host-tier copies, disk reads), and gives every running request one token;
+- an engine that steps: each step costs ``step_base_s + step_per_seq_s * batch +
+  step_per_adapter_s * (distinct adapters - 1)`` CPU seconds (measured on the demo engine,
+  ``measure_engine_steps``: each adapter in a batch is one more LoRA segment per module)
+  plus the loads it makes (host-tier copies, disk reads), and gives every running request
+  one token;
 - the control plane's CPU, charged per request from a live run: the client process
   hosting the router (as latency before the request is routed, and as CPU), the
   directory and the metrics agent -- all on the same ``cores`` as the engines: while they
   run, each busy engine gets ``(cores - control-plane CPU rate) / busy engines`` of a
   core; and the workers' own per-request work (Serve's request handling), which runs in
-  the replica's process and so lengthens the step that admits the request.
+  the replica's process and so lengthens the step that admits the request;
+- with Serve's cache modelled, the replica's CPU for each send it refuses and each probe
+  it answers (``ServeTimes.refusal_cpu_s``, ``probe_cpu_s``: measured by
+  ``benchmarks.serve_release``), which lengthens the replica's next step the same way.
 
 Loads: a variant on the product's worker reads an adapter from disk the first time a
 replica uses it and copies it from the host tier after; the multiplexing baseline's
@@ -75,8 +80,13 @@ class CpuFleetConfig:
     cores: float = 2.0
     step_base_s: float = 0.004       # CPU seconds of one engine step ...
     step_per_seq_s: float = 0.002    # ... plus this per running request
-    host_load_s: float = 0.0001      # a host-tier copy into a slot
-    disk_load_s: float = 0.002       # a read from disk into the host tier
+    step_per_adapter_s: float = 0.0  # ... plus this per distinct adapter in the batch beyond the first
+    host_load_s: float = 0.0001      # a host-tier copy into a slot (wall seconds: the step waits for it)
+    disk_load_s: float = 0.002       # a read from disk into the host tier (wall seconds: its requester waits)
+    # the CPU part of each: the demo adapters' own copy and read; the rest of a load's seconds is waiting (a GPU
+    # copy, storage), as routing_live injects it (benchmarks.live.load_cost sleeps)
+    host_load_cpu_s: float = 0.0001
+    disk_load_cpu_s: float = 0.002
     control: ControlPlaneCpu = field(default_factory=ControlPlaneCpu)
     lag_s: float = 0.05              # pool event -> router view
     rate_window_s: float = 2.0       # the control plane's CPU rate is averaged over this
@@ -111,7 +121,7 @@ class _Client:
 
 
 class _Replica:
-    __slots__ = ("idx", "rid", "pool", "sched", "registered", "busy", "tokens")
+    __slots__ = ("idx", "rid", "pool", "sched", "registered", "busy", "tokens", "side_cpu_s")
 
     def __init__(self, idx: int, rid: str, cfg: CpuFleetConfig, fetch, listener):
         self.idx, self.rid = idx, rid
@@ -122,9 +132,10 @@ class _Replica:
         pool = self.pool
         self.sched: Scheduler[SimRequest] = Scheduler(pool.validate_lora_batch, lambda u: u in pool.pinned,
                                                       cfg.max_batch, 16)
-        self.registered: OrderedDict[str, None] = OrderedDict()  # adapters read into this replica (LRU order)
+        self.registered: OrderedDict[str, float] = OrderedDict()  # adapter -> when its read is done (LRU order)
         self.busy = False
         self.tokens: dict[int, int] = {}  # request index -> tokens still to generate
+        self.side_cpu_s = 0.0  # CPU besides steps (refusals, probes, disk reads) not yet charged to a step
 
 
 class CpuFleet(EventLoop):
@@ -164,7 +175,8 @@ class CpuFleet(EventLoop):
         self.serve_cache: Optional[ServeQueueCache] = None
         if cfg.serve_times is not None:  # every router's sends go through Serve's cache and may be refused
             self.serve_cache = ServeQueueCache(self, cfg.serve_times, self.max_ongoing,
-                                               lambda i: int(self.ongoing[i]), np.random.default_rng(cfg.seed + 31))
+                                               lambda i: int(self.ongoing[i]), np.random.default_rng(cfg.seed + 31),
+                                               on_probe=self._probed_replica)
         if not self.router.waits_for_capacity:  # Serve's own routers: its routing loop, backoff and hand-over
             self.serve_tasks = ServeRoutingTasks(
                 self, cfg.replicas, lambda req: self.router.route(req, self.now), self._dispatch,
@@ -279,8 +291,22 @@ class CpuFleet(EventLoop):
             self._accept(req, idx)
         else:
             self.refusals += 1
+            self._replica_work(idx, cache.times.refusal_cpu_s)
             self.at(self.now + cache.rpc_s(idx) / 2, self._refused, req)
         self.at(self.now + cache.rpc_s(idx) / 2, cache.replied, idx, int(self.ongoing[idx]))
+
+    def _probed_replica(self, idx: int) -> None:
+        self._replica_work(idx, self.serve_cache.times.probe_cpu_s)
+
+    def _replica_work(self, idx: int, seconds: float) -> None:
+        """Replica ``idx``'s process spends ``seconds`` of CPU besides its steps (a Serve message, a read from
+        disk): a busy replica's next step waits for it (one core: the engine thread and the replica's other
+        threads share it); an idle one has the core to itself."""
+        replica = self.replicas[idx]
+        if replica.busy:
+            replica.side_cpu_s += seconds
+        else:
+            self.workers_cpu_s += seconds
 
     def _refused(self, req: SimRequest) -> None:
         if self.serve_tasks is not None:
@@ -306,6 +332,14 @@ class CpuFleet(EventLoop):
         if self.accepts_later and self.router.waits_for_capacity:
             self.router.accepted(req, idx)
         replica = self.replicas[idx]
+        ready = self._read(replica, req.uid)
+        if ready > self.now:
+            self.at(ready, self._admit, replica, req)
+        else:
+            self._admit(replica, req)
+
+    def _admit(self, replica: _Replica, req: SimRequest) -> None:
+        """``req``'s adapter is in the replica's host tier: into its engine's queue."""
         replica.sched.add(req)
         if not replica.busy:
             replica.busy = True
@@ -330,31 +364,36 @@ class CpuFleet(EventLoop):
         uids = replica.sched.running_uids()
         missing = [u for u in batch_order(uids) if u is not None and not replica.pool.is_resident(u)]
         replica.pool.prepare_lora_batch(uids)
-        stall = 0.0
-        for uid in missing:
-            self.loads += 1
-            stall += cfg.host_load_s + self._read(replica, uid)
+        self.loads += len(missing)
+        stall = cfg.host_load_s * len(missing)  # host-tier copies at the step boundary: the batch waits
         share = self._engine_share()
         self.share_sum += share
         self.share_n += 1
         for req in running:
             replica.tokens[req.i] -= 1
-        cpu = cfg.step_base_s + cfg.step_per_seq_s * len(running) + cfg.control.replica_s * len(admitted)
-        self.workers_cpu_s += cpu + stall
+        adapters = len({u for u in uids if u is not None})
+        cpu = (cfg.step_base_s + cfg.step_per_seq_s * len(running) + cfg.step_per_adapter_s * max(0, adapters - 1)
+               + cfg.control.replica_s * len(admitted) + replica.side_cpu_s)
+        replica.side_cpu_s = 0.0
+        self.workers_cpu_s += cpu + cfg.host_load_cpu_s * len(missing)
         self.at(self.now + cpu / share + stall, self._step, replica)
 
     def _read(self, replica: _Replica, uid: str) -> float:
-        """Seconds to read ``uid`` from disk for this load (0 when the replica's host tier has it)."""
+        """When ``uid`` is in the replica's host tier: at once if it is (or when the read under way ends); else a
+        read from disk starts now, off the engine thread, as the live worker reads before it submits (the
+        requester waits, the batch does not). The multiplexing baseline's Serve LRU unregisters the least
+        recently used adapter beyond ``slots`` (host copy and all)."""
         registered = replica.registered
         if uid in registered:
             registered.move_to_end(uid)
-            return 0.0
-        registered[uid] = None
+            return registered[uid]
+        ready = self.now + max(self.cfg.disk_load_s, self.cfg.disk_load_cpu_s)
+        registered[uid] = ready
+        self._replica_work(replica.idx, self.cfg.disk_load_cpu_s)
         if self.cfg.variant == "multiplexed":
-            while len(registered) > self.cfg.slots:  # Serve's LRU unloads the model, host copy and all
+            while len(registered) > self.cfg.slots:
                 registered.popitem(last=False)
-            return self.cfg.disk_load_s
-        return self.cfg.disk_load_s
+        return ready
 
     def _sync_tick(self) -> None:
         """Every ``lag_s``: the pushes below, then the next tick."""
@@ -458,10 +497,29 @@ def run_cpu_fleet(requests: list[tuple[str, str, int]], concurrency: int, cfg: C
     return result
 
 
+@dataclass(frozen=True)
+class StepCost:
+    """CPU seconds of one engine step: ``base_s + per_seq_s * rows + per_adapter_s * (distinct adapters - 1)``."""
+
+    base_s: float
+    per_seq_s: float
+    per_adapter_s: float = 0.0
+
+    def seconds(self, rows: float, adapters: float = 1.0) -> float:
+        return self.base_s + self.per_seq_s * rows + self.per_adapter_s * max(0.0, adapters - 1.0)
+
+    def scaled(self, factor: float) -> "StepCost":
+        return StepCost(self.base_s * factor, self.per_seq_s * factor, self.per_adapter_s * factor)
+
+
 def measure_engine_steps(batch_sizes: tuple[int, ...] = (1, 2, 4, 8), tokens: int = 24,
-                         repeats: int = 3) -> tuple[float, float]:
-    """(step_base_s, step_per_seq_s): the demo engine's seconds per step against the batch size,
-    measured here with one torch thread (as each worker replica runs), fitted by least squares."""
+                         repeats: int = 3, adapter_counts: tuple[int, ...] = (1, 2, 4)) -> StepCost:
+    """The demo engine's seconds per step, measured here with one torch thread (as each worker replica runs):
+    against the batch size on one adapter (least squares: base and per running request), and at the largest
+    batch against the number of distinct adapters in it (least squares: per adapter beyond the first).
+
+    Why the adapter term: a batch over k adapters runs k LoRA segments per module; the affinity router's
+    batches hold fewer adapters than a spreading router's, and a model without the term prices both alike."""
     import asyncio
 
     import torch
@@ -474,27 +532,34 @@ def measure_engine_steps(batch_sizes: tuple[int, ...] = (1, 2, 4, 8), tokens: in
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     assets = ensure_demo_assets()
-    engine = LoRAEngine(AppArgs(base_model=str(assets.model_dir), max_loras_per_batch=4, max_lora_rank=16,
+    slots = max(adapter_counts)
+    engine = LoRAEngine(AppArgs(base_model=str(assets.model_dir), max_loras_per_batch=slots, max_lora_rank=16,
                                 max_batch_size=max(batch_sizes), max_model_len=256).engine_config())
+    names = list(assets.adapters)[:slots]
 
-    async def batch(size: int) -> tuple[float, int]:
+    async def batch(size: int, adapters: int) -> tuple[float, int]:
         started = time.perf_counter()
-        results = await asyncio.gather(*(engine.generate(GenerateRequest(adapter=name, prompt="hello there",
-                                                                         max_tokens=tokens))
-                                         for _ in range(size)))
+        results = await asyncio.gather(*(engine.generate(GenerateRequest(adapter=names[i % adapters],
+                                                                         prompt="hello there", max_tokens=tokens))
+                                         for i in range(size)))
         return time.perf_counter() - started, max(r.completion_tokens for r in results) + 1  # + the prefill step
 
+    def per_step(size: int, adapters: int) -> float:
+        wall, steps = min(asyncio.run(batch(size, adapters)) for _ in range(repeats))  # the fastest
+        return wall / steps
+
     try:
-        name, path = next(iter(assets.adapters.items()))
-        engine.register_adapter(name, str(path))
-        asyncio.run(batch(1))
-        xs, ys = [], []
-        for size in batch_sizes:
-            seconds = min(asyncio.run(batch(size)) for _ in range(repeats))  # (wall, steps) of the fastest
-            xs.append(size)
-            ys.append(seconds[0] / seconds[1])
-        slope, intercept = np.polyfit(np.array(xs, dtype=float), np.array(ys), 1)
-        return max(float(intercept), 1e-4), max(float(slope), 0.0)
+        for name in names:
+            engine.register_adapter(name, str(assets.adapters[name]))
+        asyncio.run(batch(max(batch_sizes), slots))  # every adapter resident, every path warm
+        xs = np.array(batch_sizes, dtype=float)
+        slope, intercept = np.polyfit(xs, np.array([per_step(size, 1) for size in batch_sizes]), 1)
+        counts = [k for k in adapter_counts if k <= max(batch_sizes)]
+        per_adapter = 0.0
+        if len(counts) > 1:
+            per_adapter = float(np.polyfit(np.array(counts, dtype=float),
+                                           np.array([per_step(max(batch_sizes), k) for k in counts]), 1)[0])
+        return StepCost(max(float(intercept), 1e-4), max(float(slope), 0.0), max(per_adapter, 0.0))
     finally:
         engine.shutdown()
         torch.set_num_threads(threads)

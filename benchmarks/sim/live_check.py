@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ..routing_live import Setting, build_requests, requests_per_row
-from .cpu_fleet import ControlPlaneCpu, CpuFleetConfig, run_cpu_fleet
+from .cpu_fleet import ControlPlaneCpu, CpuFleetConfig, StepCost, run_cpu_fleet
 from .serve_cache import ServeTimes
 
 VARIANTS = ("affinity", "multiplexed", "pow2")
@@ -42,7 +42,7 @@ def _engine_measured(row: dict) -> bool:
         row.get("rows_per_step") is not None and not math.isnan(row["rows_per_step"])
 
 
-def step_scale(live_rows: Sequence[dict], step_base_s: float, step_per_seq_s: float) -> float:
+def step_scale(live_rows: Sequence[dict], step: StepCost) -> float:
     """A live step's engine-thread CPU over the step this process measures at the same batch, the median over
     the concurrency-1 rows (1.0 for a run that did not record its engines: the measured step as it is).
 
@@ -54,12 +54,11 @@ def step_scale(live_rows: Sequence[dict], step_base_s: float, step_per_seq_s: fl
         if not _engine_measured(r):
             continue
         live_step_s = r["engine_cpu_ms"] / 1000.0 / r["steps_per_request"]
-        ratios.append(live_step_s / (step_base_s + step_per_seq_s * r["rows_per_step"]))
+        ratios.append(live_step_s / step.seconds(r["rows_per_step"]))
     return statistics.median(ratios) if ratios else 1.0
 
 
-def calibrate(live_rows: Sequence[dict], step_base_s: float, step_per_seq_s: float,
-              mean_tokens: float) -> dict[str, ControlPlaneCpu]:
+def calibrate(live_rows: Sequence[dict], step: StepCost, mean_tokens: float) -> dict[str, ControlPlaneCpu]:
     """Each variant's control-plane CPU seconds per request, from its live rows (one router).
 
     The workers' per-request work besides engine steps (``replica_s``) comes from the concurrency-1 rows: their
@@ -74,7 +73,7 @@ def calibrate(live_rows: Sequence[dict], step_base_s: float, step_per_seq_s: flo
         if all(_engine_measured(r) for r in solo):
             replica_s = statistics.median(r["workers_cpu_ms"] - r["engine_cpu_ms"] for r in solo) / 1000.0
         else:
-            replica_s = _median(solo, "workers_cpu_ms") - mean_tokens * (step_base_s + step_per_seq_s)
+            replica_s = _median(solo, "workers_cpu_ms") - mean_tokens * step.seconds(1)
         out[variant] = ControlPlaneCpu(router_s=_median(rows, "router_cpu_ms"),
                                        directory_s=_median(rows, "directory_cpu_ms"),
                                        metrics_agent_s=_median(rows, "metrics_agent_cpu_ms"),
@@ -82,7 +81,7 @@ def calibrate(live_rows: Sequence[dict], step_base_s: float, step_per_seq_s: flo
     return out
 
 
-def simulate_live(live: dict, step_base_s: float, step_per_seq_s: float, seeds: int = SEEDS) -> list[dict]:
+def simulate_live(live: dict, step: StepCost, seeds: int = SEEDS) -> list[dict]:
     """The live run's one-router cells, simulated with its settings and calibration: each cell's figures are
     the mean over ``seeds`` runs (the routers' random draws and Serve's message times differ per seed)."""
     meta = live["metadata"]["settings"]
@@ -93,9 +92,9 @@ def simulate_live(live: dict, step_base_s: float, step_per_seq_s: float, seeds: 
     order = [s for s in ("fits", "skew") if s in chosen]
     args = type("Args", (), {"requests": meta.get("requests"), "quick": meta.get("quick", False)})()
     mean_tokens = 12.0  # routing_live draws 8-16 new tokens
-    control = calibrate(rows, step_base_s, step_per_seq_s, mean_tokens)
-    scale = step_scale(rows, step_base_s, step_per_seq_s)
-    step_base_s, step_per_seq_s = step_base_s * scale, step_per_seq_s * scale
+    control = calibrate(rows, step, mean_tokens)
+    scale = step_scale(rows, step)
+    step = step.scaled(scale)
     costs = meta["costs"]
     out = []
     for (setting_name, cost, c) in sorted({(r["setting"], r["cost"], r["concurrency"]) for r in rows}):
@@ -109,8 +108,9 @@ def simulate_live(live: dict, step_base_s: float, step_per_seq_s: float, seeds: 
             runs = []
             for k in range(seeds):
                 cfg = CpuFleetConfig(variant=variant, replicas=meta["replicas"], slots=meta["slots"],
-                                     max_batch=meta["max_batch_size"], step_base_s=step_base_s,
-                                     step_per_seq_s=step_per_seq_s, host_load_s=max(costs[cost]["host_s"], 1e-4),
+                                     max_batch=meta["max_batch_size"], step_base_s=step.base_s,
+                                     step_per_seq_s=step.per_seq_s, step_per_adapter_s=step.per_adapter_s,
+                                     host_load_s=max(costs[cost]["host_s"], 1e-4),
                                      disk_load_s=max(costs[cost]["disk_s"], 2e-3), control=control[variant],
                                      load_bound_epsilon=meta["load_bound_epsilon"], seed=meta["seed"] + k,
                                      serve_times=ServeTimes())

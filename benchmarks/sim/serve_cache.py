@@ -61,6 +61,10 @@ class ServeTimes:
     release: LogNormal = LogNormal.from_quantiles(0.0051, 0.0196)
     client: LogNormal = LogNormal.from_quantiles(0.0065, 0.0305)
     probe_deadline_s: float = 0.1       # RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S
+    # the replica's CPU per send it refuses and per probe it answers (serve_release --quick, 2026-12-06: a held
+    # replica's refused sends and probes at ~500/s and ~1,250/s, its CPU above the same replica idle)
+    refusal_cpu_s: float = 0.00146
+    probe_cpu_s: float = 0.00052
     max_probe_deadline_s: float = 1.0   # RAY_SERVE_MAX_QUEUE_LENGTH_RESPONSE_DEADLINE_S
 
 
@@ -75,8 +79,9 @@ class ServeQueueCache:
     replica ``i``'s real ongoing count (what a probe's answer reads when it reaches the replica)."""
 
     def __init__(self, clock: Clock, times: ServeTimes, max_ongoing: int, count: Callable[[int], int],
-                 rng: np.random.Generator):
+                 rng: np.random.Generator, on_probe: Optional[Callable[[int], None]] = None):
         self.clock, self.times, self.max_ongoing, self.count, self.rng = clock, times, max_ongoing, count, rng
+        self.on_probe = on_probe  # a probe reached replica i (its CPU), answered in time or not
         self.cached: dict[int, int] = {}
         self.probes = 0
         self.probe_answers = 0
@@ -119,6 +124,8 @@ class ServeQueueCache:
         answers: list[tuple[float, int]] = []  # (answer time, replica) for those within the deadline
         for i in replicas:
             self.probes += 1
+            if self.on_probe is not None:
+                self.on_probe(i)
             latency = self.rpc_s(i)
             if latency > deadline:
                 self.probe_timeouts += 1
