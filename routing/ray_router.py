@@ -91,6 +91,7 @@ class AdapterAffinityRouter(RequestRouter):
         self._queue_caps: list[float] = []
         self._queue_places = False
         self._waiters = OldestFirstWaiters()
+        self._room = False  # the last decision saw a replica with a free row (``_decide``)
         self._waiting: Counter = Counter()  # adapter -> this router's requests waiting for a planned row
         self._kinds: dict[str, str] = {}  # request id -> decision kind, counted when routed
         self._first_seen: dict[str, float] = {}  # request id -> when it first asked for a replica
@@ -147,10 +148,11 @@ class AdapterAffinityRouter(RequestRouter):
         first_seen = self._first_seen.setdefault(request_id, now) if request_id is not None else now
         if len(self._first_seen) > 10_000:  # requests cancelled before routing leave entries
             self._first_seen = {request_id: first_seen}
+        woken = False  # the last sleep ended in a wake-up (a relay: hand the room on if this request leaves it)
         if pending_request is not None:
             pending_request.routing_context.should_backoff = False  # we wait for capacity ourselves
             if self._last_call[0] == request_id and now - self._last_call[1] < self.settings.repeat_window_s:
-                await self._wait_for_capacity(first_seen)  # Serve could not use the last choice: do not spin
+                woken = await self._wait_for_capacity(first_seen)  # Serve could not use the last choice: no spin
         deadline = time.monotonic() + self.settings.max_wait_per_call_s
         kind = None
         counted = False  # this request is in ``_waiting`` (the rows its planned replicas owe it)
@@ -164,6 +166,8 @@ class AdapterAffinityRouter(RequestRouter):
                 # request for that replica polls for it; ours takes it at its next poll if it is still free)
                 yielded = not decision.wait and self._older_elsewhere(decision, first_seen)
                 if not (decision.wait or yielded) or time.monotonic() >= deadline:
+                    if (decision.wait or yielded) and woken and self._room:
+                        self._waiters.hand_on(first_seen)  # leaves at its deadline without the room it was woken for
                     break
                 waits_for = decision.tiers[0][0] if yielded else decision.best
                 if not counted:
@@ -173,7 +177,8 @@ class AdapterAffinityRouter(RequestRouter):
                     self.wait_exchange.waiting(asyncio.get_running_loop())
                 self.metrics.decision("yield" if yielded else "wait")
                 if waits_for is None:
-                    await self._wait_for_capacity(first_seen, deadline - time.monotonic())
+                    woken = await self._wait_for_capacity(first_seen, deadline - time.monotonic(),
+                                                          handoff=woken and self._room)
                     continue
                 self._waits[request_id or ""] = (first_seen, self._ids[waits_for])
                 oldest_here = self._oldest_for(waits_for, request_id or "", first_seen)
@@ -201,13 +206,15 @@ class AdapterAffinityRouter(RequestRouter):
                 elif poll_at is None:
                     poll_at = time.monotonic() + self.settings.capacity_poll_s
                 timeout = (poll_at if poll_at is not None else deadline) - time.monotonic()
-                await self._wait_for_capacity(first_seen, timeout)
+                woken = await self._wait_for_capacity(first_seen, timeout, handoff=woken and self._room)
                 if poll_at is not None and time.monotonic() >= poll_at:
                     # other routers' requests fill the replica and their completions are invisible here: offer it
                     # every capacity_poll_s, whatever our own completions woke meanwhile (they came often enough to
                     # starve the poll), so Serve asks it for its queue length (offering every replica made Serve
                     # probe each in turn: slower, measured)
                     chosen, kind = waits_for, "waited"
+                    if woken and self._room:
+                        self._waiters.hand_on(first_seen)
                     break
         finally:
             self._waits.pop(request_id or "", None)
@@ -251,13 +258,17 @@ class AdapterAffinityRouter(RequestRouter):
             caps = list(caps)
             caps[queue_at] = self._queue_caps[queue_at]
         loads = []
+        room = False
         for rid, cap in zip(ids, caps):
             probed = cache.get(self._by_id[rid].replica_id)
             q = probed if probed is not None else max(local.inflight.get(rid, 0), self.view.queue_len(rid))
             q += local.pending.get(rid, 0)
             if q >= cap:
                 local.saw_full(rid)
+            else:
+                room = True
             loads.append(q)
+        self._room = room  # some replica had a free row: a woken request that waits on hands it on
         return choose_replicas(adapter, self.view.fleet_view(ids, adapter), loads, self.settings,
                                caps=caps, request_s=local.request_s_by_index(ids),
                                active=local.active_by_index(ids), demand=local.demand,
@@ -266,11 +277,13 @@ class AdapterAffinityRouter(RequestRouter):
                                full_at=local.full_at_by_index(ids), now=time.monotonic(),
                                prefill_wait=local.prefill_wait_by_index(ids))
 
-    async def _wait_for_capacity(self, since: float, timeout: Optional[float] = None) -> bool:
+    async def _wait_for_capacity(self, since: float, timeout: Optional[float] = None, handoff: bool = False) -> bool:
         """Until a request of ours completes or a replica reports room (True), or ``timeout`` (default
         ``capacity_poll_s``) passes (False: other routers' requests may have completed unseen).
-        Woken requests decide again oldest first (``since``: when the request first asked)."""
-        return await self._waiters.wait(since, self.settings.capacity_poll_s if timeout is None else timeout)
+        Woken requests decide again oldest first (``since``: when the request first asked); ``handoff``: this
+        request was woken, saw room it did not take, and wakes the next in line (``routing.waiters``)."""
+        return await self._waiters.wait(since, self.settings.capacity_poll_s if timeout is None else timeout,
+                                        handoff=handoff)
 
     def _older_elsewhere(self, decision, since: float) -> bool:
         """Whether another router's request has waited for the replica ``decision`` would take longer than a
@@ -311,7 +324,8 @@ class AdapterAffinityRouter(RequestRouter):
         return cached is None or cached > self.local.inflight.get(rid, 0)
 
     def _capacity_freed(self) -> None:
-        self._waiters.wake_all()
+        """A row freed: the waiting requests look at it oldest first until one takes it (``routing.waiters``)."""
+        self._waiters.relay()
 
     def on_send_request(self, replica_id) -> None:
         super().on_send_request(replica_id)
@@ -353,7 +367,7 @@ class AdapterAffinityRouter(RequestRouter):
         self.view.states.pop(replica_id.unique_id, None)
         self.local.forget_replica(replica_id.unique_id)
         self.view._touch()
-        self._capacity_freed()
+        self._waiters.wake_all()  # the fleet changed: every waiting request decides again
 
     # ------------------------------------------------------------------ directory feed
 

@@ -39,3 +39,42 @@ def test_the_line_names_the_oldest_waiting_request_whether_asleep_or_deciding():
     assert waiters.is_oldest("a") and not waiters.is_oldest("b")
     waiters.leave_line(1.0, "a")
     assert waiters.is_oldest("b")
+
+
+def test_a_freed_row_is_handed_down_the_line_until_a_request_takes_it():
+    """``relay`` wakes the oldest sleeping request; one that sleeps again with ``handoff`` wakes the next younger
+    one; the first that takes the row ends the relay, so the requests behind it stay asleep (no herd)."""
+    async def scenario():
+        waiters = OldestFirstWaiters()
+        looked: list[str] = []
+        takes = {"c"}  # only "c"'s decision suits the freed row
+
+        async def request(name, since):
+            woken = await waiters.wait(since, 1.0)
+            while woken:
+                looked.append(name)
+                if name in takes:
+                    return name
+                woken = await waiters.wait(since, 0.2, handoff=True)
+            return None
+
+        tasks = [asyncio.create_task(request(n, s)) for n, s in (("d", 4.0), ("b", 2.0), ("a", 1.0), ("c", 3.0),
+                                                                   ("e", 5.0))]
+        while len(waiters) < 5:
+            await asyncio.sleep(0)
+        waiters.relay()
+        done = await asyncio.gather(*tasks)
+        assert looked == ["a", "b", "c"]  # oldest first, and "d" and "e" never woke for it
+        assert done == [None, None, None, "c", None]
+
+    asyncio.run(scenario())
+
+
+def test_a_relay_with_nobody_asleep_wakes_nobody_later():
+    async def scenario():
+        waiters = OldestFirstWaiters()
+        waiters.relay()
+        waiters.hand_on(0.0)
+        assert await waiters.wait(1.0, 0.05) is False
+
+    asyncio.run(scenario())
