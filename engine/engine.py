@@ -29,7 +29,8 @@ from .errors import EngineOverloadedError, EngineShutdownError, EngineUnhealthyE
 from .fast_paths import choose_fast_paths
 from .grammar import GrammarCompiler
 from .input_processor import InputProcessor
-from .kv_setup import build_kv_cache, fit_max_model_len, long_prefill_cap, long_prefill_chunk, token_budget
+from .kv_setup import (build_kv_cache, context_span, fit_max_model_len, long_prefill_cap, long_prefill_chunk,
+                       token_budget)
 from .live_settings import apply_live_settings
 from .logprobs import TokenTexts
 from .lora_layers import LoRABatchContext, attach_lora
@@ -95,7 +96,8 @@ class LoRAEngine(StepLoop, EngineReadAPI):
             config.max_batch_size, config.max_bypass_steps, blocks=self.blocks,
             max_num_batched_tokens=self.max_num_batched_tokens,
             long_prefill_tokens=long_prefill_cap(config, self.device),
-            long_prefill_chunk_tokens=long_prefill_chunk(config, self.device))
+            long_prefill_chunk_tokens=long_prefill_chunk(config, self.device),
+            context_span=context_span(model, config, self.device))
         self.eos_ids = eos_token_ids(tokenizer, model)
         self.tokens_generated = 0
         self.prompt_tokens_computed = 0  # prompt tokens fed to forwards (an n > 1 prompt counts once)

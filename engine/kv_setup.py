@@ -36,6 +36,12 @@ DEFAULT_TOKEN_BUDGET = {"cuda": 8192, "cpu": 1024}
 # (all-at-once rows, prompts 16-128: 279 -> 242/233 tok/s in one window), so the threshold stays 128.
 DEFAULT_LONG_PREFILL = {"cuda": None, "cpu": 128}
 DEFAULT_LONG_PREFILL_CHUNK = {"cuda": None, "cpu": 64}
+# With the CPU defaults a long prompt's chunk shrinks as its cached context grows (``Scheduler``'s ``context_span``):
+# a fed token's attention over c cached tokens is 4 * heads * head_dim * c flops against 2 * (its projections'
+# weights) for the projections, and on the CPU it runs at about half the projections' flop rate (the K/V gather and
+# a masked SDPA; ``benchmarks.engine_throughput``'s model, 2 cores: a 64-token chunk 41 ms at no context, 87 ms after
+# 4032 cached tokens, a 32-token one 26 / 53 ms), so the span is the flops' ratio over this factor.
+CPU_ATTENTION_COST_FACTOR = 2.0
 
 
 def token_budget(config: EngineConfig, device: torch.device) -> int:
@@ -67,6 +73,21 @@ def long_prefill_chunk(config: EngineConfig, device: torch.device) -> Optional[i
         if default is not None:
             return default
     return long_prefill_cap(config, device)
+
+
+def context_span(model, config: EngineConfig, device: torch.device) -> Optional[int]:
+    """Cached tokens whose attention costs one fed token's projections, for the scheduler's long-prompt chunks:
+    on the CPU while the budget, the long threshold and the chunk are all the defaults; None elsewhere (a configured
+    chunk stays a token count)."""
+    if device.type == "cuda" or (config.max_num_batched_tokens, config.long_prefill_tokens,
+                                 config.long_prefill_chunk_tokens) != (None, None, None):
+        return None
+    layer = model.model.layers[0]
+    attn = layer.self_attn
+    weights = sum(getattr(module, "weight").numel() for module in (
+        attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj))
+    per_position = 2 * attn.q_proj.weight.shape[0]  # 4 * heads * head_dim flops against 2 * weights
+    return max(1, int(weights / per_position / CPU_ATTENTION_COST_FACTOR))
 
 
 def kv_shape(model) -> tuple[int, int, int]:

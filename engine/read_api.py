@@ -99,6 +99,7 @@ class EngineReadAPI:
                 "max_num_batched_tokens": self.scheduler.max_num_batched_tokens,
                 "long_prefill_tokens": self.scheduler.long_prefill_tokens,
                 "long_prefill_chunk_tokens": self.scheduler.long_prefill_chunk_tokens,
+                "context_span": self.scheduler.context_span,  # a long chunk shrinks by 1 + cached / span (None: never)
                 "prefill_chunks": self.scheduler.prefill_chunks,  # prefill inputs the token budget cut short
                 # each fast path's start-up decision: {name: {intended, used, reason, check_error}}
                 "fast_paths": {name: path.as_dict() for name, path in self.fast_paths.items()},

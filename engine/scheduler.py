@@ -34,6 +34,14 @@ every running decode waits for its next token. The cap lets a large budget batch
 prompts while a long prompt's chunks stay short steps, and a short prompt's first token
 never waits behind a long chunk in its own step. A step still feeds at most the budget:
 every decode row, then prefill chunks.
+
+Context (``context_span``): a prompt token fed after ``c`` cached ones also attends over them, which
+on the CPU costs about ``c / context_span`` of its projections. With a span, a prefill's remaining
+tokens count that cost when deciding whether it is long, and a long prompt's chunk is
+``long_prefill_chunk_tokens / (1 + c / span)`` tokens: its steps cost about the same from its first
+chunk to its last. Why: with chunks of 64 tokens a 4k-token prompt's last chunks took twice its
+first (attention over 4k cached tokens), and its last 128 tokens, no longer above the threshold,
+went in one step of four times a chunk's cost; a short prompt arriving meanwhile waited for it.
 """
 
 from __future__ import annotations
@@ -72,12 +80,14 @@ class Scheduler(Generic[S]):
     def __init__(self, validate_batch: Callable[[set], bool], is_pinned: Callable[[Hashable], bool],
                  max_batch_size: int, max_bypass_steps: int = 16, blocks: Optional[BlockSpace] = None,
                  max_num_batched_tokens: Optional[int] = None, long_prefill_tokens: Optional[int] = None,
-                 long_prefill_chunk_tokens: Optional[int] = None):
+                 long_prefill_chunk_tokens: Optional[int] = None, context_span: Optional[int] = None):
         """``blocks``: the KV cache's block accounting; None schedules by slots and batch size only.
         ``max_num_batched_tokens``: tokens one step may feed (at least ``max_batch_size``, so every decode
         fits); None: no budget, no chunking. ``long_prefill_tokens``: a prefill with more tokens left is long
         (yielding to other prefills); None: the budget (no prefill is long). ``long_prefill_chunk_tokens``: the
-        most tokens a long prefill feeds a step; None: ``long_prefill_tokens``."""
+        most tokens a long prefill feeds a step; None: ``long_prefill_tokens``. ``context_span``: cached tokens whose
+        attention costs about one fed token's projections (a long prefill's chunk shrinks with its cached context);
+        None: the context is not counted."""
         if max_num_batched_tokens is not None and max_num_batched_tokens < max_batch_size:
             raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} is below max_batch_size="
                              f"{max_batch_size}: one step must fit every running request's next token")
@@ -85,7 +95,11 @@ class Scheduler(Generic[S]):
             raise ValueError(f"long_prefill_tokens must be at least 1 (got {long_prefill_tokens})")
         if long_prefill_chunk_tokens is not None and long_prefill_chunk_tokens < 1:
             raise ValueError(f"long_prefill_chunk_tokens must be at least 1 (got {long_prefill_chunk_tokens})")
+        if context_span is not None and context_span < 1:
+            raise ValueError(f"context_span must be at least 1 (got {context_span})")
         self.long_prefill_tokens = long_prefill_tokens
+        self.context_span = context_span
+        self.last_chunk_tokens: Optional[int] = None  # the chunk the last plan gave a long prefill (None: no long one)
         self.long_prefill_chunk_tokens = long_prefill_chunk_tokens or long_prefill_tokens
         self.validate_batch = validate_batch
         self.is_pinned = is_pinned
@@ -161,8 +175,17 @@ class Scheduler(Generic[S]):
         return admitted
 
     def _is_long(self, seq: S) -> bool:
-        """A prefill with more than ``long_prefill_tokens`` left (capped a step, yielding to other prefills)."""
-        return self.long_prefill_tokens is not None and self._wanted(seq) > self.long_prefill_tokens
+        """A prefill with more than ``long_prefill_tokens`` left, counting its attention over the cached context
+        with a ``context_span`` (capped a step, yielding to other prefills)."""
+        return self.long_prefill_tokens is not None and self._weight(seq) * self._wanted(seq) > self.long_prefill_tokens
+
+    def _weight(self, seq: S) -> float:
+        """What feeding one of ``seq``'s tokens costs, in fed tokens at no cached context: ``1 + cached / span``."""
+        return 1.0 if self.context_span is None else 1.0 + seq.num_computed / self.context_span
+
+    def _chunk(self, seq: S) -> int:
+        """Tokens a long prefill feeds this step: ``long_prefill_chunk_tokens`` over its weight (at least one)."""
+        return max(1, int(self.long_prefill_chunk_tokens / self._weight(seq)))
 
     @staticmethod
     def _wanted(seq: S) -> int:
@@ -184,7 +207,7 @@ class Scheduler(Generic[S]):
     def plan_step(self) -> list[tuple[S, int]]:
         """(request, tokens it feeds this step) for the running requests that feed any: decodes first, then
         prefill chunks, fewest remaining tokens first (a prefill starved ``max_bypass_steps`` steps first of all),
-        until the budget is spent; a long prefill feeds at most ``long_prefill_chunk_tokens``, and only as the step's
+        until the budget is spent; a long prefill feeds at most its chunk (``_chunk``), and only as the step's
         first prefill (or when starved); a request left out feeds next step."""
         if self.max_num_batched_tokens is None:
             return [(seq, self._wanted(seq)) for seq in self.running]
@@ -197,8 +220,8 @@ class Scheduler(Generic[S]):
                 left -= 1
         prefills = [seq for seq in by_age if self._wanted(seq) > 1]
         prefills.sort(key=lambda seq: (self._starved.get(id(seq), 0) < self.max_bypass_steps, self._wanted(seq)))
-        cap = self.long_prefill_chunk_tokens
         prefilling = False
+        self.last_chunk_tokens = None
         for seq in prefills:
             if left <= 0:
                 break
@@ -207,7 +230,11 @@ class Scheduler(Generic[S]):
             long = self._is_long(seq)
             if long and prefilling and not starved:
                 continue  # a long prompt's chunk would lengthen a step that already prefills a shorter prompt
-            plan.append((seq, min(wanted, left, cap) if long else min(wanted, left)))
+            if long:
+                self.last_chunk_tokens = chunk = self._chunk(seq)
+                plan.append((seq, min(wanted, left, chunk)))
+            else:
+                plan.append((seq, min(wanted, left)))
             left -= plan[-1][1]
             prefilling = True
         return plan

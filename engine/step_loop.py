@@ -108,7 +108,8 @@ class StepLoop:
         """Whether a step's time is mostly its prompt tokens' (``PREFILL_TIMED_MIN_TOKENS``)."""
         if prompt_tokens >= PREFILL_TIMED_MIN_TOKENS:
             return True
-        chunk = self.scheduler.long_prefill_chunk_tokens
+        # this step's long chunk (smaller after a long cached context, ``Scheduler._chunk``), else the configured one
+        chunk = self.scheduler.last_chunk_tokens or self.scheduler.long_prefill_chunk_tokens
         if chunk is None or prompt_tokens < chunk:
             return False
         decode_rows = sum(1 for s, x in zip(planned, inputs) if x.start_pos >= len(s.prompt_ids))

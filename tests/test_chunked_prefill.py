@@ -247,3 +247,45 @@ def test_a_waiting_long_prompt_does_not_hold_back_the_short_ones_behind_it():
     sched.add(short)                   # ...so the short prompt behind it starts now
     assert step(sched, blocks) == [(short, 10)]
     assert list(sched.waiting) == [second]
+
+
+def test_a_long_prompts_chunk_shrinks_with_its_cached_context_and_its_tail_stays_chunked():
+    """With a ``context_span`` (here 64) a long prompt's chunk is ``chunk / (1 + cached / span)``: 16 tokens at no
+    context, 8 after 64 cached. Its last ~30 tokens, under the threshold (32) as tokens, still count their attention
+    (30 x 3 > 32): they stay chunked and yield to a short prompt's prefill, instead of one step of twice a chunk."""
+    sched, blocks = make(budget=128, num_blocks=512, max_batch=8, cap=32, chunk=16)
+    sched.context_span = 64
+    long = seq(158)
+    sched.add(long)
+    while long.num_computed < 128:
+        cached = long.num_computed
+        assert step(sched, blocks) == [(long, int(16 / (1 + cached / 64)))]
+        assert sched.last_chunk_tokens == int(16 / (1 + cached / 64))
+    cached = long.num_computed
+    assert 158 - cached <= 32  # no longer long by its tokens alone
+    short = seq(10)
+    sched.add(short)
+    assert step(sched, blocks) == [(short, 10)]  # long by its cost: it yields
+    assert step(sched, blocks) == [(short, 1), (long, int(16 / (1 + cached / 64)))]
+
+
+def test_without_a_context_span_the_chunk_is_a_token_count():
+    sched, blocks = make(budget=128, num_blocks=512, max_batch=8, cap=32, chunk=16)
+    long = seq(100)
+    sched.add(long)
+    assert [step(sched, blocks)[0][1] for _ in range(5)] == [16, 16, 16, 16, 16]
+    assert step(sched, blocks) == [(long, 20)]  # 20 left: not long any more, fed whole
+
+
+def test_the_context_span_applies_on_the_cpu_with_every_prefill_default_only():
+    from engine.kv_setup import CPU_ATTENTION_COST_FACTOR, context_span
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                         num_key_value_heads=2, num_hidden_layers=1))
+    cpu = torch.device("cpu")
+    weights = 64 * (64 + 32 + 32 + 64) + 3 * 64 * 128  # q k v o, gate up down
+    assert context_span(model, AppArgs().engine_config(), cpu) == int(weights / (2 * 64) / CPU_ATTENTION_COST_FACTOR)
+    assert context_span(model, AppArgs().engine_config(), torch.device("cuda")) is None
+    for changed in ({"long_prefill_chunk_tokens": 64}, {"long_prefill_tokens": 128}, {"max_num_batched_tokens": 512}):
+        assert context_span(model, AppArgs(**changed).engine_config(), cpu) is None
