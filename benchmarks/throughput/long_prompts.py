@@ -56,19 +56,28 @@ def latency_summary(system: str, served: Sequence[Served]) -> dict[str, Any]:
             "tpot_p50_ms": float(np.percentile(tpot, 50)), "tpot_p99_ms": float(np.percentile(tpot, 99))}
 
 
-def long_prompt_rows(engine: LoRAEngine, names: Sequence[str], work: LongPromptWorkload) -> list[dict[str, Any]]:
-    """The short requests alone, then with the long prompts: each row the short requests' latencies."""
-    alone, _ = run_engine(engine, work.shorts, names, work.short_offsets)
-    merged = sorted(zip(work.short_offsets + work.long_offsets, work.shorts + work.longs), key=lambda p: p[0])
-    offsets, requests = [o for o, _ in merged], [r for _, r in merged]
-    prefill_chunks = engine.scheduler.prefill_chunks
-    served, _ = run_engine(engine, requests, names, offsets)
-    chunks = engine.scheduler.prefill_chunks - prefill_chunks
-    shorts = [s for s in served if s.request.index < len(work.shorts)]
-    longs = [s for s in served if s.request.index >= len(work.shorts)]
+def long_prompt_rows(engine: LoRAEngine, names: Sequence[str],
+                     works: Sequence[LongPromptWorkload]) -> list[dict[str, Any]]:
+    """The short requests alone, then with the long prompts: each row the short requests' latencies, pooled over
+    ``works`` (windows served one after the other, each alone then with its long prompts)."""
+    alone: list[Served] = []
+    shorts: list[Served] = []
+    longs: list[Served] = []
+    chunks = 0  # prefill inputs cut short while the long prompts ran (the alone runs cut none)
+    for work in works:
+        served, _ = run_engine(engine, work.shorts, names, work.short_offsets)
+        alone += served
+        merged = sorted(zip(work.short_offsets + work.long_offsets, work.shorts + work.longs), key=lambda p: p[0])
+        offsets, requests = [o for o, _ in merged], [r for _, r in merged]
+        chunks_before = engine.scheduler.prefill_chunks
+        served, _ = run_engine(engine, requests, names, offsets)
+        chunks += engine.scheduler.prefill_chunks - chunks_before
+        shorts += [s for s in served if s.request.index < len(work.shorts)]
+        longs += [s for s in served if s.request.index >= len(work.shorts)]
     budget, cap = engine.scheduler.max_num_batched_tokens, engine.scheduler.long_prefill_tokens
     chunk = engine.scheduler.long_prefill_chunk_tokens
-    with_long = latency_summary(f"short requests + {len(longs)} prompts of {LONG_PROMPT} tokens "
+    per_window = f"{len(longs) // len(works)} prompts" + (f" in each of {len(works)} windows" if len(works) > 1 else "")
+    with_long = latency_summary(f"short requests + {per_window} of {LONG_PROMPT} tokens "
                                 f"(budget {budget} tokens/step, long above {cap or budget}, chunks {chunk or budget})",
                                 shorts)
     with_long["long_ttft_p50_ms"] = float(np.percentile([s.ttft for s in longs], 50)) * 1e3
