@@ -183,7 +183,7 @@ class LoRAMemoryPool:
             for uid in missing:
                 # claim first, then mark: a newcomer must not sit in the policy's queue while its
                 # own victim is chosen (SIEVE's hand would otherwise land on it)
-                slot = self._claim_slot(protected=cur)
+                slot = self._claim_slot(protected=cur, last=uid is None)
                 self.eviction_policy.mark_used(uid)
                 if uid is None:
                     self._write_base(slot)
@@ -315,10 +315,14 @@ class LoRAMemoryPool:
         self._load_into(slot, uid, weights, fetch_seconds)
         return slot
 
-    def _claim_slot(self, protected: frozenset[Uid] | set[Uid]) -> int:
-        """An empty slot, else the policy's victim among unprotected, unpinned residents."""
-        for slot, owner in enumerate(self.slot_to_uid):
-            if owner is EMPTY:
+    def _claim_slot(self, protected: frozenset[Uid] | set[Uid], last: bool = False) -> int:
+        """An empty slot (the first; the last with ``last``), else the policy's victim among unprotected, unpinned
+        residents. The base model takes the last empty slot: its rows do no LoRA work, and in the first one it would
+        split the adapters' slots into two runs, which a CPU decode step's LoRA runs as two ``bmm`` pairs per module
+        instead of one (``engine.lora_padded``)."""
+        order = range(self.slots - 1, -1, -1) if last else range(self.slots)
+        for slot in order:
+            if self.slot_to_uid[slot] is EMPTY:
                 return slot
         candidates = {u for u in self.uid_to_slot if u not in protected and u not in self.pinned}
         if not candidates:

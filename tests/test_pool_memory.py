@@ -85,6 +85,15 @@ def test_base_model_slot_is_zero_rank_and_chosen_last():
     check_invariants(pool)
 
 
+def test_base_model_takes_the_last_empty_slot_so_adapters_stay_contiguous():
+    pool, _ = make_pool(slots=5)
+    pool.prepare_lora_batch({"A", "B"})
+    assert pool.prepare_lora_batch({None, "A"})[None] == 4  # not slot 2, between the adapters
+    slots = pool.prepare_lora_batch({"C", "D", "A", "B"})
+    assert sorted(slots.values()) == [0, 1, 2, 3]  # one run: the CPU decode LoRA's one bmm pair (lora_padded)
+    check_invariants(pool)
+
+
 def test_running_batch_is_never_evicted():
     pool, _ = make_pool(slots=3)
     pool.prepare_lora_batch({"A", "B"})
