@@ -101,8 +101,9 @@ class AppArgs(BaseModel):
     on the CPU with the default `max_num_batched_tokens`, else no cap)"""
     long_prefill_chunk_tokens: Optional[int] = Field(default=None, ge=1)
     """tokens a step feeds of a long prompt (one with more than `long_prefill_tokens` left); smaller chunks are
-    shorter steps for the decodes and short prompts beside it (unset: 64 on the CPU with the default
-    `max_num_batched_tokens` and `long_prefill_tokens`, else `long_prefill_tokens`)"""
+    shorter steps for the decodes and short prompts beside it (unset: on the CPU with the default
+    `max_num_batched_tokens` and `long_prefill_tokens`, 64 shrinking as the prompt's cached context grows, so its
+    last chunks, which also attend over the first, cost about as much as its first; else `long_prefill_tokens`)"""
     max_model_len: Optional[int] = Field(default=None, ge=16)
     """context window (unset: the model's, at most 2048)"""
     kv_cache_bytes: Optional[int] = Field(default=None, ge=1)
