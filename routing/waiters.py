@@ -56,6 +56,10 @@ class OldestFirstWaiters:
             return True
         except asyncio.TimeoutError:
             return False
+        except asyncio.CancelledError:
+            if future.done() and not future.cancelled():
+                self.hand_on(since)  # woken by a relay, then cancelled: the row goes to the next in line
+            raise
         finally:
             if not future.done():
                 future.cancel()

@@ -78,3 +78,21 @@ def test_a_relay_with_nobody_asleep_wakes_nobody_later():
         assert await waiters.wait(1.0, 0.05) is False
 
     asyncio.run(scenario())
+
+
+def test_a_request_cancelled_after_a_relay_woke_it_hands_the_row_on():
+    """A client that goes away just as its request is woken must not swallow the freed row: either the wake-up
+    wins (Python 3.11's ``wait_for`` returns a result that arrived before the cancellation, and the router's request
+    decides and hands on as usual) or the cancellation does and the next request in line is woken."""
+    async def scenario():
+        waiters = OldestFirstWaiters()
+        first = asyncio.create_task(waiters.wait(1.0, 5.0))
+        second = asyncio.create_task(waiters.wait(2.0, 1.0))
+        while len(waiters) < 2:
+            await asyncio.sleep(0)
+        waiters.relay()   # wakes "first" ...
+        first.cancel()    # ... which is cancelled before it runs again
+        got_first, got_second = await asyncio.gather(first, second, return_exceptions=True)
+        assert got_first is True or (isinstance(got_first, asyncio.CancelledError) and got_second is True)
+
+    asyncio.run(scenario())

@@ -58,6 +58,21 @@ VARIANT_ROUTER = {"affinity": "affinity", "multiplexed": "multiplex", "pow2": "p
 
 
 @dataclass(frozen=True)
+class StepCost:
+    """CPU seconds of one engine step: ``base_s + per_seq_s * rows + per_adapter_s * (distinct adapters - 1)``."""
+
+    base_s: float
+    per_seq_s: float
+    per_adapter_s: float = 0.0
+
+    def seconds(self, rows: float, adapters: float = 1.0) -> float:
+        return self.base_s + self.per_seq_s * rows + self.per_adapter_s * max(0.0, adapters - 1.0)
+
+    def scaled(self, factor: float) -> "StepCost":
+        return StepCost(self.base_s * factor, self.per_seq_s * factor, self.per_adapter_s * factor)
+
+
+@dataclass(frozen=True)
 class ControlPlaneCpu:
     """CPU seconds per request outside the engines, for one variant (from a live run)."""
 
@@ -81,6 +96,10 @@ class CpuFleetConfig:
     step_base_s: float = 0.004       # CPU seconds of one engine step ...
     step_per_seq_s: float = 0.002    # ... plus this per running request
     step_per_adapter_s: float = 0.0  # ... plus this per distinct adapter in the batch beyond the first
+
+    @property
+    def step(self) -> StepCost:
+        return StepCost(self.step_base_s, self.step_per_seq_s, self.step_per_adapter_s)
     host_load_s: float = 0.0001      # a host-tier copy into a slot (wall seconds: the step waits for it)
     disk_load_s: float = 0.002       # a read from disk into the host tier (wall seconds: its requester waits)
     # the CPU part of each: the demo adapters' own copy and read; the rest of a load's seconds is waiting (a GPU
@@ -146,13 +165,14 @@ class CpuFleet(EventLoop):
         super().__init__()
         self.cfg = cfg
         self.ids = tuple(f"replica-{i:04d}" for i in range(cfg.replicas))
+        self.step_cost = cfg.step
         self.max_ongoing = cfg.max_batch
         self.ongoing = np.zeros(cfg.replicas, dtype=np.float64)
         self.config = SimConfig(replicas=cfg.replicas, router=VARIANT_ROUTER[cfg.variant], slots=cfg.slots,
                                 max_batch=cfg.max_batch, lag_s=cfg.lag_s, load_bound_epsilon=cfg.load_bound_epsilon,
                                 seed=cfg.seed, costs=CostModel(), warmup_fraction=0.0,
                                 prior_load_s=(cfg.host_load_s, cfg.disk_load_s),
-                                prior_request_s=8 * (cfg.step_base_s + cfg.step_per_seq_s))
+                                prior_request_s=8 * cfg.step.seconds(1))
         self.router = ROUTERS[self.config.router](self)
         self.feed: Optional[DirectoryFeed] = None
         listener = None
@@ -372,8 +392,8 @@ class CpuFleet(EventLoop):
         for req in running:
             replica.tokens[req.i] -= 1
         adapters = len({u for u in uids if u is not None})
-        cpu = (cfg.step_base_s + cfg.step_per_seq_s * len(running) + cfg.step_per_adapter_s * max(0, adapters - 1)
-               + cfg.control.replica_s * len(admitted) + replica.side_cpu_s)
+        cpu = (self.step_cost.seconds(len(running), adapters) + cfg.control.replica_s * len(admitted)
+               + replica.side_cpu_s)
         replica.side_cpu_s = 0.0
         self.workers_cpu_s += cpu + cfg.host_load_cpu_s * len(missing)
         self.at(self.now + cpu / share + stall, self._step, replica)
@@ -495,21 +515,6 @@ def run_cpu_fleet(requests: list[tuple[str, str, int]], concurrency: int, cfg: C
         result = replace(result, requests=len(measured), req_per_s=len(measured) / wall,
                          p50_ms=float(np.percentile(lat, 50)), p99_ms=float(np.percentile(lat, 99)))
     return result
-
-
-@dataclass(frozen=True)
-class StepCost:
-    """CPU seconds of one engine step: ``base_s + per_seq_s * rows + per_adapter_s * (distinct adapters - 1)``."""
-
-    base_s: float
-    per_seq_s: float
-    per_adapter_s: float = 0.0
-
-    def seconds(self, rows: float, adapters: float = 1.0) -> float:
-        return self.base_s + self.per_seq_s * rows + self.per_adapter_s * max(0.0, adapters - 1.0)
-
-    def scaled(self, factor: float) -> "StepCost":
-        return StepCost(self.base_s * factor, self.per_seq_s * factor, self.per_adapter_s * factor)
 
 
 def measure_engine_steps(batch_sizes: tuple[int, ...] = (1, 2, 4, 8), tokens: int = 24,

@@ -61,12 +61,12 @@ class ServeTimes:
     release: LogNormal = LogNormal.from_quantiles(0.0051, 0.0196)
     client: LogNormal = LogNormal.from_quantiles(0.0065, 0.0305)
     probe_deadline_s: float = 0.1       # RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S
+    max_probe_deadline_s: float = 1.0   # RAY_SERVE_MAX_QUEUE_LENGTH_RESPONSE_DEADLINE_S
     # the replica's CPU per send it refuses and per probe it answers (serve_release --quick, 2026-12-06: a replica
     # held at its limit, 654 refused sends/s and 1,389 probes/s, its CPU above the same replica idle; a scratch
     # run of the same measurement read 1.37-1.73 and 0.50-0.53 ms)
     refusal_cpu_s: float = 0.00121
     probe_cpu_s: float = 0.00048
-    max_probe_deadline_s: float = 1.0   # RAY_SERVE_MAX_QUEUE_LENGTH_RESPONSE_DEADLINE_S
 
 
 class Clock(Protocol):
