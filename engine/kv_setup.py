@@ -84,7 +84,7 @@ def context_span(model, config: EngineConfig, device: torch.device) -> Optional[
         return None
     layer = model.model.layers[0]
     attn = layer.self_attn
-    weights = sum(getattr(module, "weight").numel() for module in (
+    weights = sum(module.weight.numel() for module in (
         attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj))
     per_position = 2 * attn.q_proj.weight.shape[0]  # 4 * heads * head_dim flops against 2 * weights
     return max(1, int(weights / per_position / CPU_ATTENTION_COST_FACTOR))
