@@ -9,7 +9,8 @@ no network, pytest optional): what a developer with a lent GPU runs, in under 8 
    from one forward that mixes all adapters (so the Triton kernels run; tolerance ``BF16_LOGIT_TOL`` on the
    largest absolute difference) and greedy tokens of requests served concurrently; the engine's fast paths;
 4. Llama-3-8B's shapes (random bf16 weights, 8 adapters of rank 16): output tok/s for 64 mixed-adapter requests,
-   the decode step at batch 32 and 64 against its measured GEMM floor (``throughput.roofline``), the LoRA
+   the decode step at batch 32 and 64 against its measured GEMM floor (``throughput.roofline``; replayed from its
+   captured CUDA graph where the engine's start-up check passed them, and at 64 eagerly beside it), the LoRA
    kernels alone against the torch loop, and one profiled batch-64 decode step (launches, host µs, GPU µs;
    ``benchmarks.gpu_profile``);
 5. 32 prompts of 7.5k tokens at serve_config.gpu.yaml's settings (max_batch_size 32, max_model_len 8192): all
@@ -197,6 +198,13 @@ def llama3_8b_checks(device, quick: bool) -> dict[str, Any]:
         weights = base_weights(engine.model)
         for batch in (32, 64):
             out[f"decode_b{batch}"] = measure_decode(engine, weights, names, batch, 512, repeats=5 if quick else 10)
+        graphs = engine.runner.graphs  # decode steps replay captured graphs when their start-up check passed
+        if graphs is not None:  # the same step eagerly, beside it
+            engine.at_step_boundary(lambda: setattr(engine.runner, "graphs", None))
+            try:
+                out["decode_b64_eager"] = measure_decode(engine, weights, names, 64, 512, repeats=5 if quick else 10)
+            finally:
+                engine.at_step_boundary(lambda: setattr(engine.runner, "graphs", graphs))
         served_variants = compiled_lora_variants()  # (before the kernels are timed alone, at shapes of their own)
         out["lora_compiles_after_ready"] = None if None in (ready, served_variants) else served_variants - ready
         out["lora_kernels"] = time_lora_kernels(engine, batch=64, adapters=len(names))
@@ -270,8 +278,10 @@ def run(args) -> int:
         free_device_memory()
         common.print_table([{"system": "ours, Llama-3-8B shapes, 64 mixed requests", **big["mixed_64"]}],
                            ["system", "tok_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms"])
-        common.print_table([big["decode_b32"], big["decode_b64"]],
-                           ["batch", "context", "step_ms", "gemm_floor_ms", "step_over_gemms"])
+        decode_rows = [big["decode_b32"], big["decode_b64"]]
+        if "decode_b64_eager" in big:
+            decode_rows.append({**big["decode_b64_eager"], "batch": "64, eager (no graph)"})
+        common.print_table(decode_rows, ["batch", "context", "step_ms", "gemm_floor_ms", "step_over_gemms"])
         common.print_table(big["lora_kernels"], ["group", "batch", "adapters", "splits", "shrink_us", "expand_us",
                                                  "torch_loop_us"])
         profiled = big["profile_b64"]

@@ -61,8 +61,10 @@ class TorchPagedAttention:
         # decode rows weight V where it lies in the cache (``F.embedding_bag``) on the CPU; on CUDA they gather it
         self.values_in_place = cache.k.device.type == "cpu"
 
-    def begin_step(self, layout: StepLayout, windows: Sequence[Optional[int]], scale: float) -> None:
-        """Nothing to plan: masks are built lazily on the layout and shared by the layers."""
+    def begin_step(self, layout: StepLayout, windows: Sequence[Optional[int]], scale: float,
+                   graph_rows: Optional[int] = None) -> None:
+        """Nothing to plan: masks are built lazily on the layout and shared by the layers (``graph_rows``: this path
+        is never captured, ``engine.decode_graphs``; its padded body reads the layout as any step does)."""
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: StepLayout,
                  window: Optional[int], scale: float) -> torch.Tensor:

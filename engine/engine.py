@@ -26,7 +26,7 @@ from .config import EngineConfig
 from .cpu_gemm import onednn_linear
 from .detokenizer import IncrementalDetokenizer
 from .errors import EngineOverloadedError, EngineShutdownError, EngineUnhealthyError, RequestCancelledError
-from .fast_paths import choose_fast_paths
+from .fast_paths import capture_decode_graphs, choose_fast_paths
 from .grammar import GrammarCompiler
 from .input_processor import InputProcessor
 from .kv_setup import (build_kv_cache, context_span, fit_max_model_len, long_prefill_cap, long_prefill_chunk,
@@ -90,6 +90,8 @@ class LoRAEngine(StepLoop, EngineReadAPI):
         self.max_model_len = fit_max_model_len(self.cache, max_model_len, configured=config.max_model_len is not None)
         self.runner = ModelRunner(model, self.pool, self.cache, self.context, lora_kernels=kernels,
                                   sparse_scores=self.fast_paths["sparse_scores"].fast)
+        self.fast_paths["cuda_graphs"] = capture_decode_graphs(self.runner, self.tuning, self.fast_paths,
+                                                               config.max_batch_size, self.max_model_len)
         self.blocks = BlockManager(self.cache)
         self.scheduler: Scheduler[Sequence] = Scheduler(
             self.pool.validate_lora_batch, lambda uid: uid in self.pool.pinned,

@@ -111,3 +111,31 @@ def choose_fast_paths(model, pool, device, dtype, tuning) -> dict[str, FastPath]
                         lambda: sparse_scores_error(device, dtype, heads, kv_heads, head_dim, windows, attn.scaling,
                                                     tuning.check_seed), tolerance)
     return {"attention": attention, "lora_kernels": lora, "cpu_gemm": gemm, "sparse_scores": scores}
+
+
+def capture_decode_graphs(runner, tuning, paths: dict[str, FastPath], max_batch_size: int,
+                          max_model_len: int) -> FastPath:
+    """Capture the decode graphs (``engine.decode_graphs``) and check them against the eager step
+    (``engine.check_graphs``); where they pass, ``runner.graphs`` serves decode steps from then on. Decided after the
+    others: graphs need FlashInfer and the Triton kernels to have passed theirs."""
+    from .check_graphs import graph_error
+    from .decode_graphs import DecodeGraphs, bucket_sizes, graphs_unsupported
+
+    built: list[DecodeGraphs] = []
+
+    def check() -> float:
+        sizes = bucket_sizes(tuning.cuda_graph_batch_sizes, max_batch_size)
+        if not sizes:
+            raise ValueError(f"no cuda_graph_batch_sizes up to max_batch_size {max_batch_size}")
+        built.append(DecodeGraphs(runner, sizes, max_model_len))
+        return graph_error(built[0], tuning.check_seed, max_model_len - 1)
+
+    unsupported = graphs_unsupported(runner.device, paths["attention"].used, paths["lora_kernels"].fast,
+                                     bool(runner.pool.shape.modules))
+    tolerance = tuning.check_tolerance[str(runner.pool.dtype).removeprefix("torch.")]
+    decision = decide("cuda_graphs", "cuda_graphs", tuning.cuda_graphs, unsupported, check, tolerance)
+    if decision.fast:
+        runner.graphs = built[0]
+    elif built:
+        built[0].release()
+    return decision

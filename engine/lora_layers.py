@@ -87,17 +87,17 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.context.base_linear(self.base, x)
-        segments = self.context.segments
-        if not segments:
+        plan = self.context.plan  # before the segments: a captured decode graph's fixed plan has no host segments
+        if plan is None and not self.context.segments:
             return out
         flat_x = x.reshape(-1, x.shape[-1])
         flat_out = out.view(-1, out.shape[-1])
-        plan = self.context.plan
         if plan is not None:
             from . import lora_triton  # read at call time: the tests reload it under the interpreter
 
             lora_triton.add_lora(flat_x, self.a_buffer, self.bt_buffer, plan, flat_out, self.context.target_programs)
             return out
+        segments = self.context.segments
         if self.context.padded is not None:
             add_padded(flat_x, self.a_buffer, self.bt_buffer, self.context.padded, flat_out, self.padded_views)
             return out

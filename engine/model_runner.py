@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import nn
@@ -25,6 +25,9 @@ from .fused_ops import act_mul, apply_rope, signed_sine
 from .kv_cache import PagedKVCache
 from .lora_layers import LoRABatchContext, LoRASegment, fused_projections
 from .norms import rms_norm
+
+if TYPE_CHECKING:
+    from .decode_graphs import DecodeGraphs
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +83,7 @@ class ModelRunner:
         if lora_kernels is None:
             lora_kernels = self.device.type == "cuda" and triton_available()
         self.kernel_device = self.device if lora_kernels else None
+        self.graphs: Optional["DecodeGraphs"] = None  # captured decode steps, once the engine's check passed them
 
     @torch.inference_mode()
     def forward(self, seqs: list[SeqInput], all_logits: bool = False) -> torch.Tensor:
@@ -88,6 +92,8 @@ class ModelRunner:
         Unless a request is ``scored`` (or ``all_logits``), the last layer runs its attention output and MLP on
         each request's last token only: the other tokens' K/V are all later steps read, and their hidden states
         nobody reads (on a 4-layer model a fifth of a prompt token's GEMMs; 1/L of them on L layers)."""
+        if self.graphs is not None and not all_logits and self._graphs_take(seqs):
+            return self._replay(seqs)
         order = sorted(range(len(seqs)), key=lambda i: seqs[i].slot)
         ordered = [seqs[i] for i in order]
         layout = StepLayout([s.block_table for s in ordered], [s.start_pos for s in ordered], [len(s.token_ids) for s in ordered],
@@ -121,6 +127,20 @@ class ModelRunner:
         inverse = torch.empty(len(order), dtype=torch.long, device=self.device)
         inverse[torch.tensor(order, device=self.device)] = torch.arange(len(order), device=self.device)
         return logits.index_select(0, inverse)
+
+    def _graphs_take(self, seqs: list[SeqInput]) -> bool:
+        """A decode step (one token per row, none scored) that fits a captured bucket."""
+        return (len(seqs) <= self.graphs.max_rows and all(len(s.token_ids) == 1 and not s.scored for s in seqs))
+
+    def _replay(self, seqs: list[SeqInput]) -> torch.Tensor:
+        """The step through its captured graph; one that raises drops the graphs for good (logged) and runs eagerly."""
+        try:
+            return self.graphs.forward(seqs)
+        except Exception:
+            log.exception("a captured decode step failed: decode steps run eagerly from now on")
+            graphs, self.graphs = self.graphs, None
+            graphs.release()
+            return self.forward(seqs)
 
     @torch.inference_mode()
     def token_logits(self, index: int) -> torch.Tensor:

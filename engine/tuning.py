@@ -30,6 +30,12 @@ class EngineTuning:
     # decode attention's scores as one sampled_addmm that reads K where it lies in the cache vs gathered K and a
     # batched matmul (CPU, float32; ``engine.attention``)
     sparse_scores: str = "auto"
+    # decode-only steps replayed as CUDA graphs (``engine.decode_graphs``: CUDA with FlashInfer and, for LoRA models,
+    # the Triton kernels), captured and checked against the eager step at start
+    cuda_graphs: str = "auto"
+    # rows of the captured decode batches (a step runs as the smallest that holds it, padded; above the largest it
+    # runs eagerly); sizes above the engine's max_batch_size are dropped for max_batch_size itself
+    cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
     lora_target_programs: int = 264     # programs (CTAs) split-K shrink aims for per launch: ~2 per SM of an H100/H200
     # largest |fast - torch| allowed in the start-up check, as a fraction of the largest |torch| output, per dtype
     check_tolerance: dict[str, float] = field(default_factory=_default_tolerances)
@@ -39,8 +45,10 @@ class EngineTuning:
     free_caller_openmp_teams: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("attention", "lora_kernels", "cpu_gemm", "sparse_scores"):
+        for name in ("attention", "lora_kernels", "cpu_gemm", "sparse_scores", "cuda_graphs"):
             if getattr(self, name) not in FAST_PATH_CHOICES:
                 raise ValueError(f"{name} must be one of {FAST_PATH_CHOICES} (got {getattr(self, name)!r})")
         if self.lora_target_programs < 1:
             raise ValueError(f"lora_target_programs must be at least 1 (got {self.lora_target_programs})")
+        if not self.cuda_graph_batch_sizes or any(b < 1 for b in self.cuda_graph_batch_sizes):
+            raise ValueError(f"cuda_graph_batch_sizes must be positive row counts (got {self.cuda_graph_batch_sizes})")

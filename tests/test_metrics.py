@@ -78,13 +78,14 @@ def test_metrics_after_traffic(fleet, metrics_url):
     assert total(series, "ray_lorafleet_directory_replicas") >= 1
     # each worker replica says what its fast paths serve on: here (CPU, dtype auto) torch attention and LoRA, as
     # decided, the base GEMMs on oneDNN where this torch has it (``engine.cpu_gemm``) and decode scores on
-    # sampled_addmm (``engine.attention``)
+    # sampled_addmm (``engine.attention``); decode steps uncaptured (CUDA graphs need CUDA)
     fast = {(l["replica"], l["path"]): (l["intended"], l["used"]) for l, v in series["ray_lorafleet_engine_fast_path"]
             if v == 1}
     replicas = {l["replica"] for l in workers}
-    assert {path for _, path in fast} == {"attention", "lora_kernels", "cpu_gemm", "sparse_scores"}
+    assert {path for _, path in fast} == {"attention", "lora_kernels", "cpu_gemm", "sparse_scores", "cuda_graphs"}
     assert {r for r, _ in fast} == replicas
-    assert all(used == "torch" for (_, path), (_, used) in fast.items() if path in ("attention", "lora_kernels")), fast
+    assert all(used == "torch" for (_, path), (_, used) in fast.items()
+               if path in ("attention", "lora_kernels", "cuda_graphs")), fast
     assert all(used == "sampled_addmm" for (_, path), (_, used) in fast.items() if path == "sparse_scores"), fast
     gemm = "onednn" if torch.backends.mkldnn.is_available() else "torch"
     assert all(used == gemm for (_, path), (_, used) in fast.items() if path == "cpu_gemm"), fast
