@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import torch
 
 from .attention_layout import StepLayout
+from .host_copy import to_device
 from .lora_plan import SegmentPlan
 
 if TYPE_CHECKING:
@@ -202,7 +203,7 @@ class DecodeGraphs:
             return logits[:len(order)].clone()
         inverse = torch.empty(len(order), dtype=torch.long)
         inverse[torch.tensor(order)] = torch.arange(len(order))
-        return logits.index_select(0, inverse.to(self.device, non_blocking=True))
+        return logits.index_select(0, to_device(inverse, self.device))
 
     def _body(self, static: StaticDecodeInputs, input_ids: torch.Tensor, layout) -> torch.Tensor:
         """What a graph records: the decoder over ``static.rows`` rows with its fixed LoRA plan, then the logits."""
@@ -234,7 +235,9 @@ class DecodeGraphs:
                 self._body(static, static.input_ids, fixed)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: a CUDA call another thread of the process makes meanwhile (a metrics exporter's) is not an
+        # error of this capture
+        with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             static.logits = self._body(static, static.input_ids, fixed)
         static.graph = graph
         log.info("captured a decode graph of %d rows", rows)

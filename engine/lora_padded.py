@@ -25,6 +25,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from .host_copy import to_device
+
 # a run of slots may hold at most this many times the slots that have rows (padding blocks cost arithmetic)
 MAX_SLOT_RUN_FACTOR = 2
 # at most this many tiles run as views; more take the gather path. Measured (2 cores, fp32, the 28 modules of the
@@ -80,8 +82,8 @@ class PaddedSegments:
             at = (s.slot - first) * rows
             gather[at:at + s.end - s.start] = range(s.start, s.end)
             row_scale[at:at + s.end - s.start] = [s.scaling] * (s.end - s.start)
-        return cls(first, num_slots, rows, rank, (), torch.tensor(gather, device=device),
-                   torch.tensor(row_scale, device=device).view(num_slots, rows, 1))
+        return cls(first, num_slots, rows, rank, (), to_device(torch.tensor(gather), device),
+                   to_device(torch.tensor(row_scale), device).view(num_slots, rows, 1))
 
 
 def tile(segments: Sequence) -> tuple[Tile, ...]:

@@ -16,6 +16,8 @@ from typing import Optional
 
 import torch
 
+from .host_copy import to_device
+
 FIELD_ALIGN = 4  # int32 elements per 16 bytes: every field of the packed buffer starts aligned
 
 
@@ -43,7 +45,7 @@ class SegmentPlan:
         (None: the end of the last segment)."""
         n = len(segments)
         width = -(-n // FIELD_ALIGN) * FIELD_ALIGN
-        packed = _host_fields(segments, width).to(device)  # one copy; the scales keep their bits
+        packed = to_device(_host_fields(segments, width), device)  # one copy (pinned); the scales keep their bits
         rows = max(s.end for s in segments) if num_tokens is None else num_tokens
         return cls(packed[0, :n], packed[1, :n], packed[2, :n], packed[3, :n], packed[4, :n].view(torch.float32),
                    max(s.end - s.start for s in segments), max(s.rank for s in segments), rows)

@@ -22,6 +22,7 @@ from .attention import make_attention
 from .attention_layout import StepLayout
 from .cpu_gemm import project
 from .fused_ops import act_mul, apply_rope, signed_sine
+from .host_copy import to_device
 from .kv_cache import PagedKVCache
 from .lora_layers import LoRABatchContext, LoRASegment, fused_projections
 from .norms import rms_norm
@@ -99,7 +100,7 @@ class ModelRunner:
         layout = StepLayout([s.block_table for s in ordered], [s.start_pos for s in ordered], [len(s.token_ids) for s in ordered],
                             self.cache.block_size, self.device)
         starts = layout.token_offsets
-        input_ids = torch.tensor([t for s in ordered for t in s.token_ids], device=self.device)
+        input_ids = to_device(torch.tensor([t for s in ordered for t in s.token_ids]), self.device)
         decode = layout.num_tokens == len(ordered)  # every request feeds one token
         self.context.set_segments(self._segments(ordered, starts), self.kernel_device, num_tokens=layout.num_tokens,
                                   decode_on=self.device if decode else None)
@@ -120,13 +121,13 @@ class ModelRunner:
                 result[i] = pieces[j]
             return torch.cat(result, dim=0)
         if keep_all and not decode:  # a decode step's rows already are its last tokens
-            hidden = hidden.index_select(0, torch.tensor(last_rows, device=self.device))
+            hidden = hidden.index_select(0, to_device(torch.tensor(last_rows), self.device))
         logits = self._project(self.model.lm_head, hidden)
         if order == list(range(len(order))):  # the inputs came in slot order: no reordering
             return logits
-        inverse = torch.empty(len(order), dtype=torch.long, device=self.device)
-        inverse[torch.tensor(order, device=self.device)] = torch.arange(len(order), device=self.device)
-        return logits.index_select(0, inverse)
+        inverse = torch.empty(len(order), dtype=torch.long)
+        inverse[torch.tensor(order)] = torch.arange(len(order))
+        return logits.index_select(0, to_device(inverse, self.device))
 
     def _graphs_take(self, seqs: list[SeqInput]) -> bool:
         """A decode step (one token per row, none scored) that fits a captured bucket."""
@@ -191,7 +192,7 @@ class ModelRunner:
             o = self.attention(li, q, k, v, layout, self.windows[li], attn.scaling)
             if last_only is not None and li == len(self.decoder.layers) - 1:
                 ordered, rows = last_only
-                keep = torch.tensor(rows, device=self.device)
+                keep = to_device(torch.tensor(rows), self.device)
                 h, o = h.index_select(0, keep), o.index_select(0, keep)
                 self.context.set_segments(self._segments(ordered, list(range(len(rows))), [1] * len(rows)),
                                           self.kernel_device, num_tokens=len(rows), decode_on=self.device)
