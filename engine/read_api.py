@@ -103,5 +103,7 @@ class EngineReadAPI:
                 "prefill_chunks": self.scheduler.prefill_chunks,  # prefill inputs the token budget cut short
                 # each fast path's start-up decision: {name: {intended, used, reason, check_error}}
                 "fast_paths": {name: path.as_dict() for name, path in self.fast_paths.items()},
+                # decode steps replayed from a captured CUDA graph (``engine.decode_graphs``); the rest ran eagerly
+                "graph_replays": self.runner.graphs.replays if self.runner.graphs is not None else 0,
             }
 

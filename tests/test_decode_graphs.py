@@ -182,6 +182,7 @@ def test_served_through_the_padded_body_the_tokens_are_the_eager_ones(demo_asset
             graphs = install(engine)
             assert serve(engine, demo_assets) == eager_tokens
             assert graphs.replays >= 4  # every decode step of the three (four tokens after the prefill)
+            assert engine.stats()["graph_replays"] == graphs.replays
         finally:
             engine.shutdown()
 
