@@ -89,7 +89,8 @@ class LoRAEngine(StepLoop, EngineReadAPI):
                                     backend=backend)
         self.max_model_len = fit_max_model_len(self.cache, max_model_len, configured=config.max_model_len is not None)
         self.runner = ModelRunner(model, self.pool, self.cache, self.context, lora_kernels=kernels,
-                                  sparse_scores=self.fast_paths["sparse_scores"].fast)
+                                  sparse_scores=self.fast_paths["sparse_scores"].fast,
+                                  fused_ops=self.fast_paths["fused_ops"].fast, max_positions=self.max_model_len)
         self.fast_paths["cuda_graphs"] = capture_decode_graphs(self.runner, self.tuning, self.fast_paths,
                                                                config.max_batch_size, self.max_model_len)
         self.blocks = BlockManager(self.cache)

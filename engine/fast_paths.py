@@ -25,7 +25,7 @@ _logged: set[str] = set()
 class FastPath:
     """One decision: the path ``name`` runs on ``used`` (``intended`` is what the settings and device asked for)."""
 
-    name: str                       # "attention" | "lora_kernels" | "cpu_gemm" | "sparse_scores"
+    name: str                       # "attention" | "lora_kernels" | "cpu_gemm" | "sparse_scores" | "fused_ops" | "cuda_graphs"
     intended: str                   # the fast path's name, or "torch" when none was wanted
     used: str                       # what serves: the fast path's name or "torch"
     reason: str = ""                # why the torch path serves ("" when the fast path does)
@@ -76,12 +76,13 @@ def relative_error(got, expected) -> float:
 
 def choose_fast_paths(model, pool, device, dtype, tuning) -> dict[str, FastPath]:
     """The checked decision for each fast path (``attention``: flashinfer or torch; ``lora_kernels``: triton or
-    torch; ``cpu_gemm``: onednn or torch; ``sparse_scores``: sampled_addmm or torch), in the order the engine needs them (attention decides the KV cache's
-    layout)."""
+    torch; ``cpu_gemm``: onednn or torch; ``sparse_scores``: sampled_addmm or torch; ``fused_ops``: flashinfer or
+    torch), in the order the engine needs them (attention decides the KV cache's layout)."""
     from . import cpu_gemm
     from .attention import FLASHINFER_DTYPES, FLASHINFER_HEAD_DIMS, sparse_scores_unsupported
     from .check_attention import flashinfer_error, sparse_scores_error
     from .check_lora import lora_kernel_error
+    from .decoder_ops import fused_ops_error, fused_ops_unsupported
     from .model_runner import window_of
 
     tolerance = tuning.check_tolerance[str(dtype).removeprefix("torch.")]
@@ -110,7 +111,11 @@ def choose_fast_paths(model, pool, device, dtype, tuning) -> dict[str, FastPath]
         scores = decide("sparse_scores", "sampled_addmm", tuning.sparse_scores, sparse_scores_unsupported(device, dtype),
                         lambda: sparse_scores_error(device, dtype, heads, kv_heads, head_dim, windows, attn.scaling,
                                                     tuning.check_seed), tolerance)
-    return {"attention": attention, "lora_kernels": lora, "cpu_gemm": gemm, "sparse_scores": scores}
+    max_positions = getattr(model.config, "max_position_embeddings", 2048)
+    fused = decide("fused_ops", "flashinfer", tuning.fused_ops, fused_ops_unsupported(device, dtype),
+                   lambda: fused_ops_error(model, device, dtype, max_positions, tuning.check_seed), tolerance)
+    return {"attention": attention, "lora_kernels": lora, "cpu_gemm": gemm, "sparse_scores": scores,
+            "fused_ops": fused}
 
 
 def capture_decode_graphs(runner, tuning, paths: dict[str, FastPath], max_batch_size: int,

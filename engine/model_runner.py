@@ -21,7 +21,8 @@ from pool.memory_pool import LoRAMemoryPool
 from .attention import make_attention
 from .attention_layout import StepLayout
 from .cpu_gemm import project
-from .fused_ops import act_mul, apply_rope, signed_sine
+from .decoder_ops import make_decoder_ops
+from .fused_ops import act_mul
 from .host_copy import to_device
 from .kv_cache import PagedKVCache
 from .lora_layers import LoRABatchContext, LoRASegment, fused_projections
@@ -61,10 +62,12 @@ def window_of(attn: nn.Module, config) -> Optional[int]:
 
 class ModelRunner:
     def __init__(self, model: nn.Module, pool: LoRAMemoryPool, kv_cache: PagedKVCache, context: LoRABatchContext,
-                 lora_kernels: Optional[bool] = None, sparse_scores: bool = False):
+                 lora_kernels: Optional[bool] = None, sparse_scores: bool = False, fused_ops: bool = False,
+                 max_positions: Optional[int] = None):
         """``lora_kernels``: run multi-adapter steps' LoRA on the Triton kernels (the engine passes its start-up
         check's decision, ``engine.fast_paths``); None: on CUDA when Triton imports. ``sparse_scores``: the torch
-        attention's decode scores as ``sampled_addmm`` (its start-up check's decision)."""
+        attention's decode scores as ``sampled_addmm`` (its start-up check's decision). ``fused_ops``: norms and
+        RoPE on FlashInfer's kernels (``engine.decoder_ops``), for positions below ``max_positions``."""
         self.model = model
         self.decoder = model.model
         self.config = model.config
@@ -79,6 +82,8 @@ class ModelRunner:
         self.windows = [window_of(layer.self_attn, self.config) for layer in self.decoder.layers]
         self.device = next(model.parameters()).device
         self.attention = make_attention(kv_cache, self.num_heads, self.num_kv_heads, self.head_dim, sparse_scores)
+        self.ops = make_decoder_ops(self.decoder, fused_ops,
+                                    max_positions or getattr(self.config, "max_position_embeddings", 2048), self.device)
         # The segmented Triton LoRA kernels (two launches per projection group whatever the number of adapters)
         # where the start-up check passed; else the torch segment loop
         if lora_kernels is None:
@@ -174,20 +179,24 @@ class ModelRunner:
         """Every token's final hidden state; with ``last_only`` (the ordered inputs and each one's last row), the
         last layer's attention output and MLP run on those rows only, and only they come back."""
         h = self.decoder.embed_tokens(input_ids)
-        cos, sin = self.decoder.rotary_emb(h[None], layout.positions[None])
-        cos, sin = cos[0][:, None, :], signed_sine(sin[0][:, None, :])
+        ops = self.ops
+        ops.begin_step(h, layout.positions)
         T = h.shape[0]
         linear = self.context.base_linear
+        block_out: Optional[torch.Tensor] = None  # the last MLP's output, added to the residual inside the next norm
         for li, layer in enumerate(self.decoder.layers):
             attn = layer.self_attn
-            x = rms_norm(layer.input_layernorm, h)
+            if block_out is None:
+                x = ops.norm(layer.input_layernorm, h)
+            else:
+                x, h = ops.add_norm(layer.input_layernorm, block_out, h)
             q, k, v = fused_projections([attn.q_proj, attn.k_proj, attn.v_proj], x, linear)
             q = q.view(T, self.num_heads, self.head_dim)
             k = k.view(T, self.num_kv_heads, self.head_dim)
             v = v.view(T, self.num_kv_heads, self.head_dim)
             if hasattr(attn, "q_norm"):  # Qwen3-style per-head norms
                 q, k = rms_norm(attn.q_norm, q), rms_norm(attn.k_norm, k)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = ops.rope(q, k)
             self.cache.write(li, layout.write_blocks, layout.write_offsets, k, v)
             o = self.attention(li, q, k, v, layout, self.windows[li], attn.scaling)
             if last_only is not None and li == len(self.decoder.layers) - 1:
@@ -196,9 +205,9 @@ class ModelRunner:
                 h, o = h.index_select(0, keep), o.index_select(0, keep)
                 self.context.set_segments(self._segments(ordered, list(range(len(rows))), [1] * len(rows)),
                                           self.kernel_device, num_tokens=len(rows), decode_on=self.device)
-            h = h + project(attn.o_proj, o, linear)
+            x, h = ops.add_norm(layer.post_attention_layernorm, project(attn.o_proj, o, linear), h)
             mlp = layer.mlp
-            gate, up = fused_projections([mlp.gate_proj, mlp.up_proj],
-                                         rms_norm(layer.post_attention_layernorm, h), linear)
-            h = h + project(mlp.down_proj, act_mul(mlp.act_fn, gate, up), linear)
-        return rms_norm(self.decoder.norm, h)
+            gate, up = fused_projections([mlp.gate_proj, mlp.up_proj], x, linear)
+            block_out = project(mlp.down_proj, act_mul(mlp.act_fn, gate, up), linear)
+        out, _ = ops.add_norm(self.decoder.norm, block_out, h)
+        return out

@@ -30,6 +30,9 @@ class EngineTuning:
     # decode attention's scores as one sampled_addmm that reads K where it lies in the cache vs gathered K and a
     # batched matmul (CPU, float32; ``engine.attention``)
     sparse_scores: str = "auto"
+    # RMSNorm, the residual add and RoPE on FlashInfer's fused kernels vs torch's ops (CUDA, fp16/bf16;
+    # ``engine.decoder_ops``)
+    fused_ops: str = "auto"
     # decode-only steps replayed as CUDA graphs (``engine.decode_graphs``: CUDA with FlashInfer and, for LoRA models,
     # the Triton kernels), captured and checked against the eager step at start
     cuda_graphs: str = "auto"
@@ -45,7 +48,7 @@ class EngineTuning:
     free_caller_openmp_teams: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("attention", "lora_kernels", "cpu_gemm", "sparse_scores", "cuda_graphs"):
+        for name in ("attention", "lora_kernels", "cpu_gemm", "sparse_scores", "fused_ops", "cuda_graphs"):
             if getattr(self, name) not in FAST_PATH_CHOICES:
                 raise ValueError(f"{name} must be one of {FAST_PATH_CHOICES} (got {getattr(self, name)!r})")
         if self.lora_target_programs < 1:

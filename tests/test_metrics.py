@@ -82,10 +82,11 @@ def test_metrics_after_traffic(fleet, metrics_url):
     fast = {(l["replica"], l["path"]): (l["intended"], l["used"]) for l, v in series["ray_lorafleet_engine_fast_path"]
             if v == 1}
     replicas = {l["replica"] for l in workers}
-    assert {path for _, path in fast} == {"attention", "lora_kernels", "cpu_gemm", "sparse_scores", "cuda_graphs"}
+    assert {path for _, path in fast} == {"attention", "lora_kernels", "cpu_gemm", "sparse_scores", "fused_ops",
+                                         "cuda_graphs"}
     assert {r for r, _ in fast} == replicas
     assert all(used == "torch" for (_, path), (_, used) in fast.items()
-               if path in ("attention", "lora_kernels", "cuda_graphs")), fast
+               if path in ("attention", "lora_kernels", "fused_ops", "cuda_graphs")), fast
     assert all(used == "sampled_addmm" for (_, path), (_, used) in fast.items() if path == "sparse_scores"), fast
     gemm = "onednn" if torch.backends.mkldnn.is_available() else "torch"
     assert all(used == gemm for (_, path), (_, used) in fast.items() if path == "cpu_gemm"), fast
