@@ -12,7 +12,6 @@ import logging
 import pytest
 import torch
 
-from deployments.config import AppArgs
 from engine import fast_paths
 from engine.check_graphs import check_batches, graph_error, random_adapters
 from engine.decode_graphs import DecodeGraphs, bucket_sizes, graphs_unsupported
@@ -21,19 +20,14 @@ from engine.lora_layers import LoRASegment, add_segment_loop
 from engine.lora_plan import SegmentPlan
 from engine.model_runner import SeqInput
 from engine.request import GenerateRequest
-from engine.tuning import EngineTuning
+from small_engines import small_engine
 from triton_interpret import interpreted_lora_kernels
 
 PROMPT = [1, 40, 41, 42, 43]
 
 
 def build(demo_assets, adapters: int = 0, **tuning) -> LoRAEngine:
-    engine = LoRAEngine(AppArgs(base_model=str(demo_assets.model_dir), max_loras_per_batch=4, max_lora_rank=16,
-                                max_model_len=128, kv_cache_bytes=1 << 20).engine_config("graphs"),
-                        tuning=EngineTuning(**tuning))
-    for name in list(demo_assets.adapters)[:adapters]:
-        engine.register_adapter(name, str(demo_assets.adapters[name]))
-    return engine
+    return small_engine(demo_assets, "graphs", slots=4, adapters=adapters, **tuning)
 
 
 def serve(engine: LoRAEngine, demo_assets) -> list[list[int]]:

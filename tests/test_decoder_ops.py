@@ -14,12 +14,11 @@ import types
 import pytest
 import torch
 
-from deployments.config import AppArgs
 from engine import fast_paths
 from engine.decoder_ops import cos_sin_table, fused_ops_unsupported
 from engine.engine import LoRAEngine
 from engine.request import GenerateRequest
-from engine.tuning import EngineTuning
+from small_engines import small_engine
 
 PROMPT = [1, 40, 41, 42, 43, 44, 45]
 
@@ -61,12 +60,7 @@ def install(monkeypatch, module: types.ModuleType) -> None:
 
 
 def build(demo_assets, **tuning) -> LoRAEngine:
-    engine = LoRAEngine(AppArgs(base_model=str(demo_assets.model_dir), max_loras_per_batch=3, max_lora_rank=16,
-                                max_model_len=128, kv_cache_bytes=1 << 20).engine_config("decoder-ops"),
-                        tuning=EngineTuning(**tuning))
-    for name in list(demo_assets.adapters)[:2]:
-        engine.register_adapter(name, str(demo_assets.adapters[name]))
-    return engine
+    return small_engine(demo_assets, "decoder-ops", **tuning)
 
 
 def serve(engine: LoRAEngine, demo_assets) -> list[list[int]]:

@@ -15,18 +15,14 @@ from engine import cpu_gemm, fast_paths
 from engine.engine import LoRAEngine
 from engine.request import GenerateRequest
 from engine.tuning import EngineTuning
+from small_engines import small_engine
 from triton_interpret import interpreted_lora_kernels, recorded_variants
 
 PROMPT = [1, 40, 41, 42, 43]
 
 
 def build(demo_assets, **tuning) -> LoRAEngine:
-    engine = LoRAEngine(AppArgs(base_model=str(demo_assets.model_dir), max_loras_per_batch=3, max_lora_rank=16,
-                                max_model_len=128, kv_cache_bytes=1 << 20).engine_config("fast-paths"),
-                        tuning=EngineTuning(**tuning))
-    for name in list(demo_assets.adapters)[:2]:
-        engine.register_adapter(name, str(demo_assets.adapters[name]))
-    return engine
+    return small_engine(demo_assets, "fast-paths", **tuning)
 
 
 def serve_two_adapters(engine: LoRAEngine, demo_assets) -> list[list[int]]:
