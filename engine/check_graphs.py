@@ -64,12 +64,13 @@ def graph_error(graphs: DecodeGraphs, seed: int, max_context: Optional[int] = No
     vocab = runner.config.vocab_size
     g = torch.Generator().manual_seed(seed + 1)
     longest = max(2, min(max_context or 3 * bs, 3 * bs))
-    worst = 0.0
+    worst, checked = 0.0, 0
     with random_adapters(runner.pool, seed) as slots:
         for batch in check_batches(graphs.sizes):
             contexts = torch.randint(1, longest, (batch,), generator=g).tolist()
             if sum(alloc.blocks_for(c + 1) for c in contexts) > alloc.num_free:
                 continue  # a cache too small for this batch: the smaller ones still check
+            checked += 1
             tables = [[alloc.allocate() for _ in range(alloc.blocks_for(c + 1))] for c in contexts]
             try:
                 rows = [slots[i % len(slots)] if i % 4 else runner.pool.slots - 1 for i in range(batch)]
@@ -85,4 +86,6 @@ def graph_error(graphs: DecodeGraphs, seed: int, max_context: Optional[int] = No
                     alloc.free(t)
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)  # a replay's launch failure surfaces here, inside the check
+    if not checked:
+        raise RuntimeError(f"{alloc.num_free} free KV blocks hold none of the check's batches: nothing was replayed")
     return worst

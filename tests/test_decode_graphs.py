@@ -290,3 +290,24 @@ def test_flashinfer_plans_a_graph_step_on_its_graph_wrappers(monkeypatch):
     attention(0, q, None, None, rows, None, 0.5)
     eager_wrapper = made[-1]
     assert not eager_wrapper.graph and eager_wrapper.runs == 1 and graph_wrapper.runs == 1
+
+
+def test_a_check_that_replays_nothing_passes_nothing(demo_assets):
+    """A KV cache with no room for the check's batches: the check raises (the engine then serves eagerly) instead of
+    reporting an error of 0 for batches it never replayed."""
+    with interpreted_lora_kernels():
+        engine = build(demo_assets, lora_kernels="fast")
+        try:
+            def starved():
+                graphs = DecodeGraphs(engine.runner, (2,), engine.max_model_len, capture=False)
+                alloc = engine.cache.allocator
+                held = [alloc.allocate() for _ in range(alloc.num_free)]
+                try:
+                    with pytest.raises(RuntimeError, match="nothing was replayed"):
+                        graph_error(graphs, seed=0)
+                finally:
+                    alloc.free(held)
+                    graphs.release()
+            engine.at_step_boundary(starved)
+        finally:
+            engine.shutdown()
