@@ -15,6 +15,10 @@ How (vLLM's and SGLang's idea, on this engine's own pieces):
   FlashInfer's index buffers (its wrapper in CUDA-graph mode, planned outside the graph each step,
   ``FlashInferPagedAttention.begin_step``).
 - The graph ends at the logits: sampling, which reads them once per step, stays outside.
+- FlashInfer's plan in CUDA-graph mode copies the page indices into its fixed buffer with a blocking copy (its
+  ``prefill.py``, read at 0.6.18): one wait for the previous step per step and window, which also keeps its pinned
+  plan buffer from being rewritten while a copy from it is pending. Its first plan fixes the rows a wrapper takes:
+  the capture plans exactly the bucket's rows.
 
 The engine's start-up check (``engine.check_graphs``) captures every bucket, then replays batches of other sizes
 and context lengths against the eager step; any error or difference beyond the tolerance and the engine serves

@@ -11,7 +11,9 @@ The residual is carried as vLLM and SGLang carry it: a block's output is not add
 is made but inside the next norm (``add_norm``). The torch ops do the same additions in the same order as the plain
 loop (``h + block``, then the norm), so on the CPU nothing changes. FlashInfer's ops are checked against the torch
 ones at start (``fused_ops_error``) and serve only where they agree (``EngineTuning.fused_ops``); a norm that is not
-Llama-style (Gemma's ``1 + weight``) runs torch's either way.
+Llama-style (Gemma's ``1 + weight``) or whose weight is in another dtype than the activations runs torch's either
+way. FlashInfer sums the residual in fp32 and normalises that sum before rounding it (torch rounds first): about one
+ulp apart, inside the check's half-precision tolerance.
 """
 
 from __future__ import annotations
@@ -70,14 +72,19 @@ class FlashInferDecoderOps(TorchDecoderOps):
     def begin_step(self, h: torch.Tensor, positions: torch.Tensor) -> None:
         self._positions = positions
 
+    @staticmethod
+    def _fusable(norm: nn.Module, x: torch.Tensor) -> bool:
+        """A Llama-style norm whose weight has the activations' dtype (the kernels cast it unchecked) on rows."""
+        return is_llama_style(norm) and norm.weight.dtype == x.dtype and x.dim() == 2
+
     def norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        if not is_llama_style(norm):
+        if not self._fusable(norm, x):
             return rms_norm(norm, x)
         return self._norm.rmsnorm(x, norm.weight, norm.variance_epsilon)
 
     def add_norm(self, norm: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """In place: ``residual += x``, then ``x = norm(residual)``; both are the caller's own (fresh) tensors."""
-        if not is_llama_style(norm):
+        if not self._fusable(norm, x):
             return super().add_norm(norm, x, residual)
         self._norm.fused_add_rmsnorm(x, residual, norm.weight, norm.variance_epsilon)
         return x, residual
