@@ -28,7 +28,9 @@ class StepLayout:
     """
 
     def __init__(self, tables: Sequence[Sequence[int]], starts: Sequence[int], counts: Sequence[int],
-                 block_size: int, device: torch.device):
+                 block_size: int, device: torch.device, decode_gathers: bool = True):
+        """``decode_gathers`` False: no decode groups (``decode_groups`` empty), for a backend that reads the block
+        tables itself (FlashInfer): their block ids are host work in proportion to the rows' context, every step."""
         self.block_size = block_size
         self.device = device
         self.tables = tables
@@ -54,7 +56,7 @@ class StepLayout:
             offset += n
         self.num_tokens = offset
         self.decode_seqs = decode_seqs
-        groups = decode_groups([-(-self.kv_lens[i] // block_size) for i in decode_seqs])
+        groups = decode_groups([-(-self.kv_lens[i] // block_size) for i in decode_seqs]) if decode_gathers else []
         group_seqs = [[decode_seqs[j] for j in g] for g in groups]
         decode_rows = [_DecodeGather.host_rows(self, seqs) for seqs in group_seqs]
         # one host buffer, one host-to-device copy for every index the step needs (not one per tensor)

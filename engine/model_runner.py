@@ -103,7 +103,7 @@ class ModelRunner:
         order = sorted(range(len(seqs)), key=lambda i: seqs[i].slot)
         ordered = [seqs[i] for i in order]
         layout = StepLayout([s.block_table for s in ordered], [s.start_pos for s in ordered], [len(s.token_ids) for s in ordered],
-                            self.cache.block_size, self.device)
+                            self.cache.block_size, self.device, decode_gathers=self.attention.name == "torch")
         starts = layout.token_offsets
         input_ids = to_device(torch.tensor([t for s in ordered for t in s.token_ids]), self.device)
         decode = layout.num_tokens == len(ordered)  # every request feeds one token

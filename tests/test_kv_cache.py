@@ -121,6 +121,19 @@ def test_layout_maps_positions_through_block_tables():
         StepLayout([[1]], [7], [2], block_size=8, device=torch.device("cpu"))
 
 
+def test_a_layout_for_flashinfer_builds_no_decode_gathers():
+    """FlashInfer reads the block tables itself: the decode rows' gather indices are not built, the write places
+    and positions are the same."""
+    tables, starts, counts = [[5, 3, 0], [2], [7]], [17, 3, 0], [1, 1, 2]
+    cpu = torch.device("cpu")
+    full = StepLayout(tables, starts, counts, block_size=8, device=cpu)
+    lean = StepLayout(tables, starts, counts, block_size=8, device=cpu, decode_gathers=False)
+    assert len(full.decode_groups) == 1 and lean.decode_groups == [] and lean.decode is None
+    assert lean.decode_seqs == full.decode_seqs == [0, 1] and lean.prefill_seqs == [2]
+    for name in ("write_blocks", "write_offsets", "positions"):
+        assert torch.equal(getattr(lean, name), getattr(full, name))
+
+
 def _reference_attention(q, keys, values, qpos, window, scale, group):
     """Dense attention of queries at positions ``qpos`` over keys 0..len-1 (causal, optional window)."""
     kpos = torch.arange(keys.shape[0])
