@@ -265,4 +265,7 @@ class LoRAEngine(StepLoop, EngineReadAPI):
         for seq in list(self.scheduler.waiting) + list(self.scheduler.running):
             seq.sink(error)
         if not self._thread.is_alive():
+            if self.runner.graphs is not None:  # the captured graphs' private memory pool goes with them
+                graphs, self.runner.graphs = self.runner.graphs, None
+                graphs.release()
             self.cache.release()  # the KV cache is most of a replica's GPU memory: free it now, not at the next GC

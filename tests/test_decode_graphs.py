@@ -179,6 +179,7 @@ def test_served_through_the_padded_body_the_tokens_are_the_eager_ones(demo_asset
             assert engine.stats()["graph_replays"] == graphs.replays
         finally:
             engine.shutdown()
+        assert engine.runner.graphs is None and not graphs.statics  # shut down: the graphs' memory went with them
 
 
 def test_a_failing_replay_drops_the_graphs_and_the_step_runs_eagerly(demo_assets, eager_tokens, monkeypatch,
