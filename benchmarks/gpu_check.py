@@ -15,7 +15,8 @@ no network, pytest optional): what a developer with a lent GPU runs, in under 8 
    ``benchmarks.gpu_profile``);
 5. 32 prompts of 7.5k tokens at serve_config.gpu.yaml's settings (max_batch_size 32, max_model_len 8192): all
    finish, no out-of-memory (the token budget and chunked prefill bound every step); and how many LoRA kernel
-   variants Triton compiled after the 8B engine was ready (its start-up check should have compiled them all).
+   variants Triton compiled after the 8B engine was ready (its start-up check should have compiled them all), and
+   how many fast paths the 8B engine tried at start fell back to torch (each with its reason).
 
 Each engine is shut down and its memory handed back before the next starts. Every figure is a ``gpu_*`` goal in
 the JSON. Without CUDA it says so and exits 0 with every goal unjudged.
@@ -47,7 +48,8 @@ DECODE_FLOOR_RATIO = 1.5    # decode step over its GEMMs at batch 64
 DEMO_KV_BYTES = 64 << 20    # the demo engine's KV cache: small, so the 8B engine after it sizes from a free card
 LONG_PROMPTS, LONG_PROMPT_TOKENS = 32, 7500
 GOAL_NAMES = ("gpu_cuda_tests_failed", "gpu_peft_bf16_max_logit_diff", "gpu_peft_bf16_greedy_equal",
-              "gpu_decode_vs_gemm_floor_b64", "gpu_no_oom_32x7500", "gpu_lora_compiles_after_ready")
+              "gpu_decode_vs_gemm_floor_b64", "gpu_no_oom_32x7500", "gpu_lora_compiles_after_ready",
+              "gpu_fast_paths_fallen_back")
 
 
 def missing_modules(names: Sequence[str]) -> list[str]:
@@ -233,14 +235,22 @@ def judge(tests: Optional[dict], peft_eq: Optional[dict], big: Optional[dict]) -
     ratio = None if big is None else big["decode_b64"]["step_over_gemms"]
     longs = None if big is None else big["long_prompts"]["finished"]
     compiles = None if big is None else big.get("lora_compiles_after_ready")
+    fallen = None if big is None else fallen_back(big["fast_paths"])
     verdicts = [(failed, "== 0", None if failed is None else failed == 0),
                 (diff, f"<= {BF16_LOGIT_TOL}", None if diff is None else diff <= BF16_LOGIT_TOL),
                 (greedy, "== 1.0", None if greedy is None else greedy == 1.0),
                 (ratio, f"<= {DECODE_FLOOR_RATIO}", None if ratio is None else ratio <= DECODE_FLOOR_RATIO),
                 (longs, f"== {LONG_PROMPTS}", None if longs is None else longs == LONG_PROMPTS),
-                (compiles, "== 0", None if compiles is None else compiles == 0)]
+                (compiles, "== 0", None if compiles is None else compiles == 0),
+                (fallen, "== 0", None if fallen is None else fallen == 0)]
     return [common.goal(name, measured, target, passed)
             for name, (measured, target, passed) in zip(GOAL_NAMES, verdicts)]
+
+
+def fallen_back(paths: dict[str, dict]) -> int:
+    """Fast paths the 8B engine tried at start that failed their check (FlashInfer, the Triton kernels, the fused
+    norms and RoPE, the CUDA graphs): each is named with its reason in the printed fast paths."""
+    return sum(1 for p in paths.values() if p["intended"] != "torch" and p["used"] == "torch")
 
 
 def run(args) -> int:

@@ -22,12 +22,16 @@ def test_without_cuda_it_skips_cleanly_and_judges_nothing(tmp_path, capsys):
 
 
 def test_goals_are_judged_from_what_ran():
+    paths = {"attention": {"intended": "flashinfer", "used": "flashinfer"},
+             "cuda_graphs": {"intended": "cuda_graphs", "used": "torch"},   # tried, failed its check
+             "cpu_gemm": {"intended": "torch", "used": "torch"}}            # never tried on CUDA
     big = {"decode_b64": {"step_over_gemms": 1.7}, "long_prompts": {"finished": gpu_check.LONG_PROMPTS},
-           "lora_compiles_after_ready": 2}
+           "lora_compiles_after_ready": 2, "fast_paths": paths}
     goals = gpu_check.judge({"failed": 0}, {"max_logit_diff": 0.02, "greedy_equal": 11, "requests": 12}, big)
-    assert [g["pass"] for g in goals] == [True, True, False, False, True, False]
+    assert [g["pass"] for g in goals] == [True, True, False, False, True, False, False]
+    assert goals[-1]["measured"] == 1
     unread = gpu_check.judge(None, None, {**big, "lora_compiles_after_ready": None})
-    assert unread[-1]["pass"] is None and unread[-2]["pass"] is True  # a Triton whose caches it cannot read
+    assert unread[-2]["pass"] is None and unread[-3]["pass"] is True  # a Triton whose caches it cannot read
     assert goals[2]["measured"] == pytest.approx(11 / 12)
 
 
