@@ -51,7 +51,8 @@ log = logging.getLogger(__name__)
 PADDING_TOKEN = 0  # what a padding row feeds: any valid id (its logits are dropped)
 
 
-def graphs_unsupported(device: torch.device, attention: str, lora_kernels: bool, has_lora_modules: bool) -> Optional[str]:
+def graphs_unsupported(device: torch.device, attention: str, lora_kernels: bool,
+                       has_lora_modules: bool) -> Optional[str]:
     """None where decode steps can be captured, else why not."""
     if device.type != "cuda":
         return "CUDA graphs need CUDA: this engine runs on the CPU"

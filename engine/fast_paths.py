@@ -25,7 +25,8 @@ _logged: set[str] = set()
 class FastPath:
     """One decision: the path ``name`` runs on ``used`` (``intended`` is what the settings and device asked for)."""
 
-    name: str                       # "attention" | "lora_kernels" | "cpu_gemm" | "sparse_scores" | "fused_ops" | "cuda_graphs"
+    # "attention" | "lora_kernels" | "cpu_gemm" | "sparse_scores" | "fused_ops" | "cuda_graphs"
+    name: str
     intended: str                   # the fast path's name, or "torch" when none was wanted
     used: str                       # what serves: the fast path's name or "torch"
     reason: str = ""                # why the torch path serves ("" when the fast path does)
