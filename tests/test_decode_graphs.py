@@ -201,6 +201,7 @@ def test_a_failing_replay_drops_the_graphs_and_the_step_runs_eagerly(demo_assets
             engine.shutdown()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the engine captures for real")
 def test_on_the_cpu_auto_captures_nothing_and_a_forced_capture_falls_back(demo_assets, eager_tokens, monkeypatch):
     monkeypatch.setattr(fast_paths, "_logged", set())
     engine = build(demo_assets, adapters=2)

@@ -21,6 +21,8 @@ from engine.request import GenerateRequest
 from small_engines import small_engine
 
 PROMPT = [1, 40, 41, 42, 43, 44, 45]
+# the stand-in replaces FlashInfer: on a GPU machine the real one is what the engine's start-up check tries
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="stand-in for FlashInfer where it cannot run")
 
 
 def _rms(x, weight, eps):
