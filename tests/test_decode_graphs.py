@@ -6,7 +6,6 @@ the engine's start-up decision is shown to fall back and serve when capture fail
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 import pytest
@@ -19,8 +18,7 @@ from engine.engine import LoRAEngine
 from engine.lora_layers import LoRASegment, add_segment_loop
 from engine.lora_plan import SegmentPlan
 from engine.model_runner import SeqInput
-from engine.request import GenerateRequest
-from small_engines import small_engine
+from small_engines import serve_together, small_engine
 from triton_interpret import interpreted_lora_kernels
 
 PROMPT = [1, 40, 41, 42, 43]
@@ -32,13 +30,7 @@ def build(demo_assets, adapters: int = 0, **tuning) -> LoRAEngine:
 
 def serve(engine: LoRAEngine, demo_assets) -> list[list[int]]:
     """Greedy tokens of three requests in one batch (two adapters and the base model: bucket 4 with one pad row)."""
-    names = list(demo_assets.adapters)[:2] + [None]
-
-    async def all_three():
-        return await asyncio.gather(*(engine.generate(GenerateRequest(adapter=n, token_ids=PROMPT, max_tokens=5))
-                                      for n in names))
-
-    return [r.token_ids for r in asyncio.run(all_three())]
+    return serve_together(engine, [(n, PROMPT) for n in list(demo_assets.adapters)[:2] + [None]], max_tokens=5)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ that a kernel with other numbers is caught at start."""
 
 from __future__ import annotations
 
-import asyncio
 import sys
 import types
 
@@ -17,8 +16,7 @@ import torch
 from engine import fast_paths
 from engine.decoder_ops import cos_sin_table, fused_ops_unsupported
 from engine.engine import LoRAEngine
-from engine.request import GenerateRequest
-from small_engines import small_engine
+from small_engines import serve_together, small_engine
 
 PROMPT = [1, 40, 41, 42, 43, 44, 45]
 # the stand-in replaces FlashInfer: on a GPU machine the real one is what the engine's start-up check tries
@@ -67,12 +65,7 @@ def build(demo_assets, **tuning) -> LoRAEngine:
 
 def serve(engine: LoRAEngine, demo_assets) -> list[list[int]]:
     names = list(demo_assets.adapters)[:2] + [None]
-
-    async def all_three():
-        return await asyncio.gather(*(engine.generate(GenerateRequest(adapter=n, token_ids=PROMPT[:4 + i],
-                                                                      max_tokens=6)) for i, n in enumerate(names)))
-
-    return [r.token_ids for r in asyncio.run(all_three())]
+    return serve_together(engine, [(n, PROMPT[:4 + i]) for i, n in enumerate(names)], max_tokens=6)
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,8 @@ import torch
 from deployments.config import AppArgs
 from engine import cpu_gemm, fast_paths
 from engine.engine import LoRAEngine
-from engine.request import GenerateRequest
 from engine.tuning import EngineTuning
-from small_engines import small_engine
+from small_engines import serve_together, small_engine
 from triton_interpret import interpreted_lora_kernels, recorded_variants
 
 PROMPT = [1, 40, 41, 42, 43]
@@ -27,15 +26,7 @@ def build(demo_assets, **tuning) -> LoRAEngine:
 
 def serve_two_adapters(engine: LoRAEngine, demo_assets) -> list[list[int]]:
     """Greedy tokens of two adapters' requests in one batch (the kernels' case: two segments)."""
-    import asyncio
-
-    names = list(demo_assets.adapters)[:2]
-
-    async def both():
-        return await asyncio.gather(*(engine.generate(GenerateRequest(adapter=n, token_ids=PROMPT, max_tokens=4))
-                                      for n in names))
-
-    return [r.token_ids for r in asyncio.run(both())]
+    return serve_together(engine, [(n, PROMPT) for n in list(demo_assets.adapters)[:2]], max_tokens=4)
 
 
 @pytest.fixture(scope="module")
@@ -104,15 +95,12 @@ def test_serving_launches_no_kernel_variant_the_start_up_check_did_not(demo_asse
             engine.register_adapter("wide", str(wide))
             for name in ("demo-0", "demo-1", "demo-2"):
                 engine.register_adapter(name, str(demo_assets.adapters[name]))
-            import asyncio
+            def batch(names, lengths):
+                serve_together(engine, [(n, PROMPT * k) for n, k in zip(names, lengths)], max_tokens=3)
 
-            async def batch(names, lengths):
-                return await asyncio.gather(*(engine.generate(GenerateRequest(
-                    adapter=n, token_ids=PROMPT * k, max_tokens=3)) for n, k in zip(names, lengths)))
-
-            asyncio.run(batch(["demo-0", "wide", "demo-2"], [1, 3, 5]))
-            asyncio.run(batch(["demo-1", "demo-0"], [4, 2]))  # demo-1 takes another adapter's slot
-            asyncio.run(batch(["wide", "demo-1", "demo-2", "demo-0"], [2, 1, 6, 3]))
+            batch(["demo-0", "wide", "demo-2"], [1, 3, 5])
+            batch(["demo-1", "demo-0"], [4, 2])  # demo-1 takes another adapter's slot
+            batch(["wide", "demo-1", "demo-2", "demo-0"], [2, 1, 6, 3])
         finally:
             engine.shutdown()
     assert {key[0] for key in launched} == {"_shrink_kernel", "_expand_kernel"}
