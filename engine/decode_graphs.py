@@ -192,7 +192,6 @@ class DecodeGraphs:
         token_ids = [s.token_ids[0] for s in ordered] + [PADDING_TOKEN] * padding
         if static.plan is not None:
             static.plan.refill([s for s in runner._segments(ordered, list(range(len(ordered)))) if s.rank > 0])
-        self.replays += 1
         if self.capture:
             rows_view = DecodeRows(tables, starts, runner.cache.block_size)
             runner.attention.begin_step(rows_view, runner.windows, runner.scaling, graph_rows=rows)
@@ -203,7 +202,7 @@ class DecodeGraphs:
             layout = StepLayout(tables, starts, [1] * rows, runner.cache.block_size, self.device)
             runner.attention.begin_step(layout, runner.windows, runner.scaling)
             logits = self._body(static, torch.tensor(token_ids, dtype=torch.long, device=self.device), layout)
-        runner._last_step = None  # a graph's hidden states are overwritten by the next replay: nothing to re-read
+        self.replays += 1
         if order == list(range(len(order))):  # already in slot order: the real rows, copied out of the graph's buffer
             return logits[:len(order)].clone()
         inverse = torch.empty(len(order), dtype=torch.long)

@@ -140,6 +140,7 @@ class ModelRunner:
 
     def _replay(self, seqs: list[SeqInput]) -> torch.Tensor:
         """The step through its captured graph; one that raises drops the graphs for good (logged) and runs eagerly."""
+        self._last_step = None  # a graph keeps no hidden states to re-read (scored rows never replay)
         try:
             return self.graphs.forward(seqs)
         except Exception:
